@@ -1,0 +1,149 @@
+"""Verifiable rewards for GSM8K completions: correctness, format, and DAPO's overlong penalty.
+
+The reward-function contract: a reward function is any callable
+
+    reward(completions: list[str], answers: list[str]) -> list[float]
+
+with one float per completion. `completions` are the generated texts only (no prompt); `answers`
+are the reference numbers from data.load_gsm8k, in the same order. train.py combines a list of
+such functions with weights (total = sum of weight * reward) and logs each one separately under
+its name (see REWARD_FUNCS). A function that needs no reference, like format_reward, still takes
+`answers` and ignores it.
+
+overlong_penalty does not fit the contract: it scores token lengths, not texts. train.py calls it
+itself with the completion lengths from its completion mask and adds the result like any other
+reward (or wraps it: `lambda completions, answers: overlong_penalty(lengths, max_new, cache)`).
+
+Robustness: every function here returns a float for any string (empty, 100,000 characters,
+unicode, NUL bytes, unbalanced or nested tags, 100,000 digits) and never raises on model output.
+Tags are found with str.find/str.rfind and numbers with one regex without nested quantifiers, so
+the work grows linearly with the length of the text (no catastrophic backtracking, unlike a
+pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
+"""
+import re
+from collections.abc import Iterable
+from decimal import Decimal
+
+THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
+
+# A number: an optional minus sign (only when it does not follow a letter or digit, so "5-3" is
+# 5 and 3, not 5 and -3), an optional "$", digits with optional thousands commas ("1,234"), and
+# optional decimals. re.ASCII: digits are 0-9 only. Each part is a single quantifier, not nested.
+_NUMBER = re.compile(r"((?<!\w)-)?\$?([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?", re.ASCII)
+
+# Numbers longer than this (digits and point) count as "no number": no real answer is that long,
+# and it bounds the cost of Decimal on a 100,000-digit run.
+MAX_NUMBER_CHARS = 50
+
+
+def _number_text(match: re.Match) -> str | None:
+    """Canonical text of a _NUMBER match: no "$" or commas, no trailing zeros after the point."""
+    sign, digits, decimals = match.group(1) or "", match.group(2).replace(",", ""), match.group(3) or ""
+    decimals = decimals.rstrip("0").rstrip(".")  # "18.00" -> "18", "0.50" -> "0.5"
+    if len(digits) + len(decimals) > MAX_NUMBER_CHARS:
+        return None
+    return sign + digits + decimals
+
+
+def answer_block(completion: str) -> str | None:
+    """The text inside the last complete <answer>...</answer> block, or None when there is none.
+
+    The block ends at the last "</answer>" and starts after the closest "<answer>" before it. Tags
+    are plain substrings, not parsed as a tree: "<answer><answer>5</answer>" gives "5", a
+    "</answer>" with no opening tag before it gives None, and an unclosed "<answer>" after the
+    last "</answer>" (a truncated completion) is ignored.
+    """
+    if not isinstance(completion, str):
+        return None
+    end = completion.rfind(ANSWER_CLOSE)
+    start = completion.rfind(ANSWER_OPEN, 0, max(end, 0))
+    if end == -1 or start == -1:
+        return None
+    return completion[start + len(ANSWER_OPEN) : end]
+
+
+def extract_answer(completion: str) -> str | None:
+    """The last number inside the last <answer>...</answer> block, as canonical text, else None.
+
+    Tolerates whitespace and newlines, "$", thousands commas, a trailing period, "18.00" (-> "18"),
+    negative numbers and words around the number ("The answer is 42." -> "42"). Returns None when
+    there is no answer block, no number in it ("forty-two"), or the last number is too long.
+    """
+    block = answer_block(completion)
+    if block is None:
+        return None
+    last = None
+    for last in _NUMBER.finditer(block):  # keep the last match; linear in len(block)
+        pass
+    return None if last is None else _number_text(last)
+
+
+def _parse_reference(answer) -> Decimal | None:
+    """A reference answer ("18", "1,234", "-3", "0.5", or an int) as a Decimal, or None if it is not a number."""
+    match = _NUMBER.fullmatch(str(answer).strip())
+    text = None if match is None else _number_text(match)
+    return None if text is None else Decimal(text)
+
+
+def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the extracted answer equals the reference number (18 == "18.00" == "$18"), else 0.0."""
+    rewards = []
+    for completion, answer in zip(completions, answers, strict=True):
+        predicted, reference = extract_answer(completion), _parse_reference(answer)
+        same = predicted is not None and reference is not None and Decimal(predicted) == reference
+        rewards.append(1.0 if same else 0.0)
+    return rewards
+
+
+def format_reward(completions: list[str], answers: list[str] | None = None) -> list[float]:
+    """0.1 per tag of <think>, </think>, <answer>, </answer> found in that order, +0.1 for a number: max 0.5.
+
+    The tags are looked for one after another, each after the end of the previous one; the first
+    tag missing stops the count. So a repeated tag earns nothing extra, tags out of order earn only
+    the in-order prefix, and "<answer>5</answer>" alone earns just the number credit. The number
+    credit (0.1) needs extract_answer to find a number, so an empty "<answer></answer>" gets none.
+    `answers` is ignored; it is there to fit the reward-function contract.
+    """
+    rewards = []
+    for completion in completions:
+        if not isinstance(completion, str):
+            rewards.append(0.0)
+            continue
+        found, position = 0, 0
+        for tag in (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE):
+            position = completion.find(tag, position)
+            if position == -1:
+                break
+            found, position = found + 1, position + len(tag)
+        if extract_answer(completion) is not None:
+            found += 1
+        rewards.append(found / 10)  # n / 10 is exactly the float 0.n
+    return rewards
+
+
+def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), per completion length.
+
+        0                                  if len <= max - cache
+        ((max - cache) - len) / cache      if max - cache < len <= max   (linear from 0 to -1)
+        -1                                 if len > max
+
+    Example, max 100 and cache 20: length 50 -> 0, 90 -> -0.5, 110 -> -1.
+    """
+    if not 0 < cache_tokens <= max_tokens:
+        raise ValueError(f"need 0 < cache_tokens <= max_tokens, got cache {cache_tokens}, max {max_tokens}")
+    safe = max_tokens - cache_tokens
+    penalties = []
+    for length in lengths:
+        length = float(length)  # accepts ints, floats and 0-d tensors
+        if length <= safe:
+            penalties.append(0.0)
+        elif length <= max_tokens:
+            penalties.append((safe - length) / cache_tokens)
+        else:
+            penalties.append(-1.0)
+    return penalties
+
+
+# The rewards that fit the contract, by the names train.py uses for flags and logging.
+REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}
