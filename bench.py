@@ -1,0 +1,504 @@
+"""Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table last.
+
+    python bench.py                                # --logprobs, then --step --config tiny: a few minutes on 2 cores
+    python bench.py --logprobs                     # a. grpo.token_logprobs vs log_softmax(logits / T).gather
+    python bench.py --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
+    BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --vs-trl --config tiny   # c. the same step in TRL
+
+--vs-trl needs TRL, which is not in requirements.txt; install it beside the pinned versions, in its own venv:
+    python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
+Every measurement runs in a fresh subprocess (`bench.py --worker ...`), so one variant's memory never counts against
+another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing is downloaded.
+"""
+import argparse
+import contextlib
+import copy
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, get_scheduler
+
+import grpo
+import rewards
+import train
+
+# Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
+# smollm2-1.7b: HuggingFaceTB/SmolLM2-1.7B-Instruct's config.json, with random weights.
+CONFIGS = {
+    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=2048),
+    "100m": dict(hidden_size=768, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=49152),
+    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 130000.0}),
+}
+# Per config: prompt tokens, new tokens, timed steps per run (after one warm-up step).
+SHAPES = {"tiny": (40, 64, 5), "100m": (64, 64, 2), "smollm2-1.7b": (128, 300, 3)}
+PAD, EOS = 0, 1  # token ids of "<pad>" and "<eos>" in build_tokenizer's vocabulary
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory. On GPU: torch.cuda.max_memory_allocated. On CPU, torch allocates with malloc/mmap, which tracemalloc does not
+# see, so we read the kernel's high-water mark of this process's resident memory (VmHWM in /proc/self/status) and reset
+# it before each measured region by writing "5" to /proc/self/clear_refs (Linux >= 4.0). "Extra" = peak - resident
+# memory at the start of the region. It counts every page the process touched (allocator slack too): an upper bound on
+# what the region needed, never an underestimate.
+
+
+def _status_kib(field):
+    return int(re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.M).group(1))
+
+
+def mem_start():
+    """Reset the peak; return the memory in use now (bytes)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def mem_peak():
+    """The peak (bytes) since the last mem_start()."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_kib("VmHWM") * 1024
+
+
+@contextlib.contextmanager
+def phase(record, name):
+    """record[name] = (wall seconds, extra peak memory in bytes, CPU seconds of this process) of the block.
+
+    The CPU seconds are the second opinion on a shared machine: other people's jobs stretch the wall time of a
+    phase but barely its CPU time (except for OpenMP threads spinning while they wait for a descheduled sibling)."""
+    base = mem_start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    yield
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    peak = mem_peak()
+    record[name] = (time.perf_counter() - t0, peak - base, time.process_time() - c0)
+    PEAK[0] = max(PEAK[0], peak)
+
+
+PEAK = [0]  # the highest peak any phase() saw: the process's peak memory during the timed steps
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model, tokenizer, prompts: built in code from a seed, so every subprocess (ours or TRL's) has the same weights.
+
+
+def build_model(config, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**CONFIGS[config], tie_word_embeddings=True, max_position_embeddings=8192,
+                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).float()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
+    return model
+
+
+def build_tokenizer(vocab_size):
+    """Word level: "<pad>", "<eos>", then "w0", "w1", ... so a prompt of P words is exactly P tokens."""
+    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)]
+    word_level = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>")
+    return train.prepare_tokenizer(tokenizer)
+
+
+def build_prompts(n, length, vocab_size, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(f"w{i}" for i in torch.randint(vocab_size - 2, (length,), generator=g).tolist()) for _ in range(n)]
+
+
+def checksum(model):
+    """One number that differs if any weight differs: identical initial weights in every subprocess."""
+    with torch.no_grad():
+        return sum(float((p.double() * (i + 1)).sum()) for i, p in enumerate(model.parameters()))
+
+
+def fix_length(model, new_tokens):
+    """Fixed-length generation: EOS gets probability 0 until new_tokens are written (transformers' min_new_tokens),
+    so every completion is exactly new_tokens long and runs compare. Set on the model's generation config, which
+    generate() starts from, so train.generate_completions runs unchanged."""
+    model.generation_config.min_new_tokens = new_tokens
+
+
+def loop_args(a):
+    """train.py's own flags for this benchmark (its defaults for anything not given here)."""
+    argv = ["--num-generations", a.num_generations, "--beta", a.beta, "--num-iterations", a.num_iterations,
+            "--max-new-tokens", a.max_new_tokens, "--batch-size", a.batch_size, "--gradient-accumulation-steps", 1,
+            "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--lr", a.lr,
+            "--lr-scheduler", "constant", "--device", DEVICE, "--dtype", a.dtype, "--reward-weights", "1.0,1.0"]
+    return train.parse_args([str(x) for x in argv])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Workers: each runs in its own process and prints one line "RESULT {json}".
+
+
+def worker_logprobs(a):
+    """a. Log-probs of N=16 x C=512 completion tokens at V=49,152 through a one-layer Llama (SmolLM2-135M's width),
+    so the lm-head and log-softmax dominate. --variant ours: grpo.token_logprobs (chunked lm-head: no [N, C, V] tensor);
+    naive: the logits (only the C positions needed), then log_softmax(logits / T).gather. --backward adds a backward."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).float().to(DEVICE).eval()
+    N, C, P, T = 16, 512, 16, 0.9
+    ids = torch.randint(cfg.vocab_size, (N, P + C), device=DEVICE)
+    attn = torch.ones_like(ids)
+    weights = torch.randn(N, C, device=DEVICE)  # d loss / d logp, for the backward
+
+    def ours():
+        return grpo.token_logprobs(model, ids, attn, C, T)
+
+    def naive():
+        logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], logits_to_keep=C).logits  # [N, C, V]
+        return torch.log_softmax(logits.float() / T, dim=-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+
+    fn = ours if a.variant == "ours" else naive
+    times, extras = [], []
+    for _ in range(a.repeats):
+        model.zero_grad(set_to_none=True)
+        base = mem_start()
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(a.backward):
+            logp = fn()                                                        # [N, C]
+            if a.backward:
+                (logp * weights).sum().backward()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        extras.append(mem_peak() - base)
+    out = dict(logp=logp.detach().cpu())
+    if a.backward:
+        out.update(head=model.lm_head.weight.grad.cpu(), q=model.model.layers[0].self_attn.q_proj.weight.grad.cpu())
+    torch.save(out, a.out)
+    return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
+
+
+def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, reward_fns, args, record):
+    """One step of train.py's loop (its numbered steps 1-9), each phase timed. Logging is left out."""
+    G, eos = args.num_generations, train.eos_token_ids(model, tokenizer)
+    with phase(record, "generate"):
+        # 1. Prompts tokenized once [B, P]; 3. G samples each, one generate call [B*G, P+C].
+        prompt_ids, prompt_mask = train.tokenize_prompts(tokenizer, prompts, args.device)
+        sequences = train.generate_completions(model, tokenizer, prompt_ids, prompt_mask, args)
+    with phase(record, "rewards"):
+        # 4. completion mask; 5. rewards of the decoded texts; 6. group-relative advantages.
+        completion_ids = sequences[:, prompt_ids.shape[1]:]
+        mask = grpo.completion_mask(completion_ids, eos)
+        texts = train.decode_completions(tokenizer, completion_ids, mask)
+        total_reward, _ = train.score_completions(texts, answers, reward_fns)
+        advantages = grpo.group_advantages(total_reward, G, scale=args.scale_rewards).to(args.device)
+        batch = dict(input_ids=sequences, attention_mask=torch.cat([prompt_mask.repeat_interleave(G, 0), mask], 1),
+                     completion_mask=mask, advantages=advantages, ref_logps=None, old_logps=None)
+    if int(mask.sum()) != mask.numel():
+        raise RuntimeError(f"completions are not fixed-length: lengths {mask.sum(1).tolist()}")
+    with phase(record, "ref+old logps"):
+        # 7. reference log-probs (only when beta > 0); 8. old log-probs (only when mu > 1).
+        if ref_model is not None:
+            batch["ref_logps"] = train.compute_logps(ref_model, batch, args)
+        if args.num_iterations > 1:
+            batch["old_logps"] = train.compute_logps(model, batch, args)
+    with phase(record, "policy fwd+bwd+opt"):
+        # 9. mu optimizer updates on the same samples.
+        for _ in range(args.num_iterations):
+            train.policy_update(model, optimizer, scheduler, batch, args)
+    return mask.numel()
+
+
+def worker_ours(a):
+    """b. (and c.'s side A): warm-up step(s), then a.steps timed steps of our loop."""
+    args = loop_args(a)
+    model = build_model(a.config)
+    tokenizer = build_tokenizer(model.config.vocab_size)
+    fix_length(model, a.max_new_tokens)
+    start = checksum(model)
+    model.to(DEVICE)
+    ref_model = None
+    if args.beta > 0:  # as train.py does: a frozen copy of the initial policy
+        ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=DEVICE == "cuda")
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=10**6)
+    reward_fns = train.reward_list(list(rewards.REWARD_FUNCS.items()), args.reward_weights)
+    B = a.batch_size
+    prompts = build_prompts((a.warmup + a.steps) * B, a.prompt_len, model.config.vocab_size)
+    steps = []
+    for i in range(a.warmup + a.steps):
+        record = {}
+        batch_prompts = prompts[i * B:(i + 1) * B]
+        answers = ["42"] * (B * args.num_generations)
+        t0, c0 = time.perf_counter(), time.process_time()
+        tokens = our_step(model, ref_model, tokenizer, optimizer, scheduler, batch_prompts, answers, reward_fns,
+                          args, record)
+        record["step"] = (time.perf_counter() - t0, max(v[1] for v in record.values()), time.process_time() - c0)
+        steps.append(record)
+    return dict(checksum=start, tokens=tokens, first=steps[0]["step"][0], steps=steps[a.warmup:], peak_bytes=PEAK[0])
+
+
+def worker_trl(a):
+    """c. side B: the same step through TRL's GRPOTrainer. Same model (same seed), tokenizer, prompts, G, new tokens,
+    sampling, beta, mu, batch, lr, optimizer, clipping and precision; its phases timed by wrapping its methods."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = build_model(a.config)
+    tokenizer = build_tokenizer(model.config.vocab_size)
+    fix_length(model, a.max_new_tokens)
+    start = checksum(model)
+    tmp = tempfile.mkdtemp(prefix="bench_trl_")
+    if a.beta > 0:  # TRL builds its reference model with from_pretrained(model.config._name_or_path)
+        model.save_pretrained(tmp)
+        model.config._name_or_path = tmp
+    B, G = a.batch_size, a.num_generations
+    n = a.warmup + a.steps
+    prompts = build_prompts(n * B, a.prompt_len, model.config.vocab_size)
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": ["42"] * len(prompts)})
+
+    def trl_reward(fn):  # TRL calls fn(prompts=..., completions=..., <dataset columns>=...)
+        def reward(completions, answer, **kwargs):
+            return fn(completions, answer)
+        reward.__name__ = fn.__name__
+        return reward
+
+    cuda = DEVICE == "cuda"
+    config = GRPOConfig(
+        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        use_cpu=not cuda, bf16=a.dtype == "bf16", fp16=False, gradient_checkpointing=False,  # TRL defaults: bf16, on
+        per_device_train_batch_size=B * G, gradient_accumulation_steps=1,  # TRL counts completions, not prompts
+        num_generations=G, max_completion_length=a.max_new_tokens,
+        generation_kwargs={"min_new_tokens": a.max_new_tokens},  # fixed length, as fix_length does for ours
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
+        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",  # ours: AdamW, fused on CUDA only
+        max_steps=n * a.num_iterations, shuffle_dataset=False, dataloader_num_workers=0)
+
+    times, record = [], {}
+
+    class StepTimer(TrainerCallback):  # an optimizer step: generation (when due), rewards, log-probs, loss, update
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
+                          args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
+    same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(start)
+    lengths = []
+
+    def timed(name, fn, when=lambda: True):  # wrap a TRL method to time it (measurement only)
+        def wrapper(*args, **kwargs):
+            if not when():
+                return fn(*args, **kwargs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = fn(*args, **kwargs)
+            wall, cpu = record.setdefault(len(times), {}).get(name, (0.0, 0.0))
+            record[len(times)][name] = (wall + time.perf_counter() - t0, cpu + time.process_time() - c0)
+            if name == "generate":
+                lengths.extend(len(c) for c in out[0])
+            return out
+        return wrapper
+
+    trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
+    trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = timed("ref+old logps", trainer._get_per_token_logps_and_entropies,
+                                                       when=lambda: not torch.is_grad_enabled())
+    mem_start()  # peak memory from here: the training steps, as PEAK for ours
+    trainer.train()
+    peak = mem_peak()
+    shutil.rmtree(tmp, ignore_errors=True)
+    if set(lengths) != {a.max_new_tokens}:
+        raise RuntimeError(f"TRL completions are not fixed-length: {sorted(set(lengths))}")
+    mu = a.num_iterations  # one GRPO step (generate + mu updates) = mu TRL optimizer steps
+    steps = []
+    for i in range(n):
+        phases = {"step": [0.0, 0, 0.0]}
+        for j in range(i * mu, (i + 1) * mu):
+            phases["step"][0] += times[j][0]
+            phases["step"][2] += times[j][1]
+            for name, (wall, cpu) in record.get(j, {}).items():
+                old = phases.get(name, [0.0, 0, 0.0])
+                phases[name] = [old[0] + wall, 0, old[2] + cpu]
+        # The rest of the step: policy forward (with entropies) + backward + clip + AdamW, and TRL's bookkeeping.
+        phases["policy fwd+bwd+opt"] = [phases["step"][k] - sum(v[k] for n, v in phases.items() if n != "step")
+                                        for k in range(3)]
+        steps.append(phases)
+    return dict(checksum=start, same_ref=same_ref, tokens=B * G * a.max_new_tokens, first=steps[0]["step"][0],
+                steps=steps[a.warmup:], peak_bytes=peak)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The driver: runs workers in fresh subprocesses and prints the table.
+
+
+def run_worker(a, name, *extra):
+    flags = ["--worker", name, "--config", a.config, "--num-generations", a.num_generations, "--beta", a.beta,
+             "--num-iterations", a.num_iterations, "--batch-size", a.batch_size, "--prompt-len", a.prompt_len,
+             "--max-new-tokens", a.max_new_tokens, "--steps", a.steps, "--warmup", a.warmup, "--lr", a.lr,
+             "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--dtype", a.dtype,
+             "--threads", a.threads, *extra]
+    python = os.environ.get("BENCH_PYTHON", sys.executable) if name == "trl" else sys.executable
+    proc = subprocess.run([python, os.path.abspath(__file__), *map(str, flags)], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"worker {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def median_phases(steps):
+    """{phase: (median wall s, max extra bytes, median CPU s)} over the timed steps."""
+    return {k: (statistics.median(s[k][0] for s in steps), max(s[k][1] for s in steps),
+                statistics.median(s[k][2] for s in steps)) for k in steps[0]}
+
+
+def mib(b):
+    return f"{b / 2**20:,.0f} MiB"
+
+
+PHASES = ["generate", "rewards", "ref+old logps", "policy fwd+bwd+opt"]
+
+
+def bench_logprobs(a, rows):
+    rows.append(("log-probs, V=49,152, N=16 x T=512", "time", "extra memory", ""))
+    results = {}
+    for backward in (False, True):
+        for variant in ("naive", "ours"):
+            with tempfile.TemporaryDirectory(prefix="bench_logprobs_") as tmp:  # the worker's tensors, to compare
+                out = os.path.join(tmp, "out.pt")
+                flags = ["--variant", variant, "--out", out, "--repeats", a.repeats] + ["--backward"] * backward
+                results[variant, backward] = run_worker(a, "logprobs", *flags), torch.load(out)
+        (naive, n_out), (ours, o_out) = results["naive", backward], results["ours", backward]
+        err = max((n_out[k] - o_out[k]).abs().max().item() / (1 if k == "logp" else n_out[k].abs().max().item())
+                  for k in n_out)
+        mode = "fwd+bwd" if backward else "fwd (no grad)"
+        for name, r in (("naive log_softmax", naive), ("grpo.token_logprobs", ours)):
+            rows.append((f"log-probs {mode}: {name}", f"{r['seconds']:.2f} s", f"+{mib(r['extra_bytes'])}", ""))
+        rows.append((f"log-probs {mode}: ours / naive", f"{ours['seconds'] / naive['seconds']:.2f}x",
+                     f"{ours['extra_bytes'] / naive['extra_bytes']:.2f}x",
+                     f"max diff {err:.1e} ({'OK' if err <= 1e-5 else 'FAIL'} at 1e-5)"))
+
+
+def bench_step(a, rows):
+    r = run_worker(a, "ours")
+    phases = median_phases(r["steps"])
+    tag = f"{a.config} step"
+    rows.append((f"{tag} (median of {a.steps})", "time", "extra memory", "CPU time, rate"))
+    for name in PHASES + ["step"]:
+        s, extra, cpu = phases[name]
+        rate = f", {r['tokens'] / s:,.0f} tok/s" if name in ("generate", "step") else ""
+        label = f"total (first step {r['first']:.1f} s)" if name == "step" else name
+        rows.append((f"{tag}: {label}", f"{s:.3f} s", f"+{mib(extra)}", f"{cpu:.3f} s{rate}"))
+    rows.append((f"{tag}: peak resident memory", "", mib(r["peak_bytes"]), ""))
+
+
+def bench_vs_trl(a, rows):
+    ratios, cpu_ratios, ours_runs, trl_runs, ours_all, trl_all = [], [], [], [], [], []
+    for i in range(a.rounds):  # A B A B ...: slow drifts of the shared machine hit both sides alike
+        ours, trl = run_worker(a, "ours"), run_worker(a, "trl")
+        ours_all.append(ours)
+        trl_all.append(trl)
+        if abs(ours["checksum"] - trl["checksum"]) > 1e-9 * abs(ours["checksum"]) or not trl["same_ref"]:
+            sys.exit("initial weights differ between our run and TRL's: the comparison would be unfair")
+        ours_runs.append(median_phases(ours["steps"]))
+        trl_runs.append(median_phases(trl["steps"]))
+        ratios.append(ours_runs[-1]["step"][0] / trl_runs[-1]["step"][0])
+        cpu_ratios.append(ours_runs[-1]["step"][2] / trl_runs[-1]["step"][2])
+        print(f"round {i + 1}: ours {ours_runs[-1]['step'][0]:.3f} s, TRL {trl_runs[-1]['step'][0]:.3f} s, "
+              f"ratio {ratios[-1]:.3f} (CPU time ratio {cpu_ratios[-1]:.3f})", flush=True)
+    tag = f"{a.config} vs TRL"
+    rows.append((f"{tag} (medians)", "ours", "TRL", "ours/TRL"))
+    for name in PHASES + ["step"]:
+        o = statistics.median(r[name][0] for r in ours_runs)
+        t = statistics.median(r.get(name, (0.0,))[0] for r in trl_runs)
+        rows.append((f"{tag}: {name}", f"{o:.3f} s", f"{t:.3f} s", f"{o / t:.2f}x" if t > 0 else "TRL: n/a"))
+    rows.append((f"{tag}: peak memory during the steps", mib(max(r["peak_bytes"] for r in ours_all)),
+                 mib(max(r["peak_bytes"] for r in trl_all)), ""))
+    rows.append((f"{tag}: MEDIAN RATIO ours/TRL, {a.rounds} rounds A B", f"{statistics.median(ratios):.3f}", "",
+                 "per round " + " ".join(f"{x:.2f}" for x in ratios)))
+    rows.append((f"{tag}: median CPU-time ratio", f"{statistics.median(cpu_ratios):.3f}", "",
+                 "per round " + " ".join(f"{x:.2f}" for x in cpu_ratios)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--logprobs", action="store_true", help="a. chunked log-probs vs the naive log-softmax")
+    p.add_argument("--step", action="store_true", help="b. one GRPO step of our loop, phase by phase")
+    p.add_argument("--vs-trl", action="store_true", help="c. our step vs TRL's GRPOTrainer, alternating A B A B")
+    p.add_argument("--config", default="tiny", choices=list(CONFIGS))
+    p.add_argument("--num-generations", type=int, default=8, help="G")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per step (B); B*G completions")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens; default per config (SHAPES)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens; default per config (SHAPES)")
+    p.add_argument("--beta", type=float, default=train.build_parser().get_default("beta"))
+    p.add_argument("--num-iterations", type=int, default=1, help="mu")
+    p.add_argument("--lr", type=float, default=train.build_parser().get_default("lr"))
+    p.add_argument("--temperature", type=float, default=train.build_parser().get_default("temperature"))
+    p.add_argument("--top-p", type=float, default=train.build_parser().get_default("top_p"))
+    p.add_argument("--top-k", type=int, default=train.build_parser().get_default("top_k"))
+    p.add_argument("--dtype", default="bf16" if DEVICE == "cuda" else "fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run, after --warmup; default per config")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run")
+    p.add_argument("--rounds", type=int, default=3, help="--vs-trl: A B pairs")
+    p.add_argument("--repeats", type=int, default=1, help="--logprobs: calls per variant (median of all but the first)")
+    # One thread by default on CPU: on a machine shared with other jobs, OpenMP threads waiting at barriers for a
+    # descheduled sibling made steps up to 70x slower and unrepeatable (measured here); one thread runs steadily.
+    p.add_argument("--threads", type=int, default=1 if DEVICE == "cpu" else 0,
+                   help="torch threads in every worker (both ours and TRL's); 0: torch's default (all cores)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    prompt_len, new_tokens, steps = SHAPES[a.config]
+    a.prompt_len = a.prompt_len or prompt_len
+    a.max_new_tokens = a.max_new_tokens or new_tokens
+    a.steps = a.steps or steps
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    if a.worker:
+        work = dict(logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl)[a.worker]
+        print("RESULT " + json.dumps(work(a)), flush=True)
+        return
+
+    if not (a.logprobs or a.step or a.vs_trl):
+        a.logprobs = a.step = True
+    rows = []
+    if a.logprobs:
+        bench_logprobs(a, rows)
+    if a.step:
+        bench_step(a, rows)
+    if a.vs_trl:
+        bench_vs_trl(a, rows)
+    print(f"\n{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
+          f"{a.config}: B={a.batch_size} G={a.num_generations} prompt {a.prompt_len} + {a.max_new_tokens} new tokens, "
+          f"beta={a.beta} mu={a.num_iterations} {a.dtype}")
+    width = max(len(r[0]) for r in rows)
+    for r in rows:
+        print(f"{r[0]:<{width}}  {r[1]:>12}  {r[2]:>16}  {r[3]}")
+
+
+if __name__ == "__main__":
+    main()
