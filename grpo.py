@@ -12,6 +12,7 @@ Shapes: N completions (= B prompts × G samples, laid out group after group), T 
 Copy this file into your project as it is; nothing here imports transformers.
 """
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["grpo_loss", "group_advantages", "process_advantages", "completion_mask", "token_logprobs"]
 
@@ -76,7 +77,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
             stats["clipped"] = (clip_active & m).sum().item()
             stats["ratio"] = ratio.masked_fill(~m, 0).sum().item()
-    return -total / max(float(denominator), 1.0)                             # maximize J ⇔ minimize -J
+    denominator = torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp(min=1)
+    return -total / denominator                                              # maximize J ⇔ minimize -J
 
 
 def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
@@ -147,52 +149,62 @@ def completion_mask(completion_ids, eos_token_id):
 def _chosen_logprobs(logits, targets, temperature, chunk_size):
     """log softmax(logits / temperature)[target] for logits [M, V], targets [M], chunk_size rows at a time.
 
-    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time,
-    never the full fp32 [M, V] log-softmax.
+    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
+    fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
     """
+    def chunk_logprobs(chunk, chunk_targets):
+        chunk = chunk.float() / temperature                                  # [chunk, V]
+        return chunk.gather(-1, chunk_targets[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
+
+    recompute = torch.is_grad_enabled() and logits.requires_grad
     out = []
-    for start in range(0, logits.shape[0], chunk_size):
-        chunk = logits[start:start + chunk_size].float() / temperature       # [chunk, V]
-        chosen = chunk.gather(-1, targets[start:start + chunk_size, None]).squeeze(-1)
-        out.append(chosen - torch.logsumexp(chunk, dim=-1))
+    for s in range(0, logits.shape[0], chunk_size):
+        args = (logits[s:s + chunk_size], targets[s:s + chunk_size])
+        out.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute
+                   else chunk_logprobs(*args))
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
 class _LinearLogprobs(torch.autograd.Function):
     """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W [V, H],
-    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist."""
+    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist.
+    Under autocast the matmuls run in the autocast dtype, as the model's own lm-head would, in forward and in
+    backward alike, so backward recomputes exactly the logits forward saw."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        weight_c = weight.to(hidden.dtype)
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         lse = torch.empty_like(out)
-        for s in range(0, hidden.shape[0], chunk_size):
-            logits = (hidden[s:s + chunk_size] @ weight_c.T).float() / temperature   # [chunk, V]
-            lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
-            out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            for s in range(0, h.shape[0], chunk_size):
+                logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
+                lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
+                out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return out - lse
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, lse = ctx.saved_tensors
-        weight_c = weight.to(hidden.dtype)
+        size, device = ctx.chunk_size, hidden.device.type
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for s in range(0, hidden.shape[0], ctx.chunk_size):
-            h = hidden[s:s + ctx.chunk_size]
-            logits = (h @ weight_c.T).float() / ctx.temperature
-            # d logp / d logits = onehot(target) - softmax, scaled by the incoming gradient and 1/temperature
-            grad_logits = -torch.exp(logits - lse[s:s + ctx.chunk_size, None])
-            grad_logits.scatter_add_(-1, targets[s:s + ctx.chunk_size, None],
-                                     torch.ones_like(grad_logits[:, :1]))
-            grad_logits *= grad_out[s:s + ctx.chunk_size, None] / ctx.temperature
-            if grad_hidden is not None:
-                grad_hidden[s:s + ctx.chunk_size] = (grad_logits.to(h.dtype) @ weight_c).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.T @ h.float()
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+            for s in range(0, h.shape[0], size):
+                logits = (h[s:s + size] @ w.T).float() / ctx.temperature
+                # d logp / d logits = onehot(target) - softmax, times the incoming gradient and 1/temperature
+                grad_logits = -torch.exp(logits - lse[s:s + size, None])
+                grad_logits.scatter_add_(-1, targets[s:s + size, None], torch.ones_like(grad_logits[:, :1]))
+                grad_logits = (grad_logits * (grad_out[s:s + size, None] / ctx.temperature)).to(ctx.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[s:s + size] = grad_logits @ w
+                if grad_weight is not None:
+                    grad_weight += (grad_logits.T @ h[s:s + size]).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
