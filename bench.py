@@ -133,8 +133,9 @@ def checksum(model):
 
 def fix_length(model, new_tokens):
     """Fixed-length generation: EOS gets probability 0 until new_tokens are written (transformers' min_new_tokens),
-    so every completion is exactly new_tokens long and runs compare. Set on the model's generation config, which
-    generate() starts from, so train.generate_completions runs unchanged."""
+    so every completion is exactly new_tokens long and runs compare. Set on the model's generation config (which
+    TRL's generate starts from); train.generate_completions ignores that config (sampling from the flags only), so
+    our_step passes min_new_tokens to it instead."""
     model.generation_config.min_new_tokens = new_tokens
 
 
@@ -198,7 +199,8 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
     with phase(record, "generate"):
         # 1. Prompts tokenized once [B, P]; 3. G samples each, one generate call [B*G, P+C].
         prompt_ids, prompt_mask = train.tokenize_prompts(tokenizer, prompts, args.device)
-        sequences = train.generate_completions(model, tokenizer, prompt_ids, prompt_mask, args)
+        sequences = train.generate_completions(model, tokenizer, prompt_ids, prompt_mask, args,
+                                               min_new_tokens=args.max_new_tokens)
     with phase(record, "rewards"):
         # 4. completion mask; 5. rewards of the decoded texts; 6. group-relative advantages.
         completion_ids = sequences[:, prompt_ids.shape[1]:]
@@ -211,13 +213,11 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
     if int(mask.sum()) != mask.numel():
         raise RuntimeError(f"completions are not fixed-length: lengths {mask.sum(1).tolist()}")
     with phase(record, "ref+old logps"):
-        # 7. reference log-probs (only when beta > 0); 8. old log-probs (only when mu > 1).
+        # 7. reference log-probs (only when beta > 0).
         if ref_model is not None:
             batch["ref_logps"] = train.compute_logps(ref_model, batch, args)
-        if args.num_iterations > 1:
-            batch["old_logps"] = train.compute_logps(model, batch, args)
     with phase(record, "policy fwd+bwd+opt"):
-        # 9. mu optimizer updates on the same samples.
+        # 9. mu optimizer updates on the same samples; 8. (mu > 1) the first one keeps its log-probs as pi_old's.
         for _ in range(args.num_iterations):
             train.policy_update(model, optimizer, scheduler, batch, args)
     return mask.numel()
@@ -235,8 +235,7 @@ def worker_ours(a):
     if args.beta > 0:  # as train.py does: a frozen copy of the initial policy
         ref_model = copy.deepcopy(model).requires_grad_(False).eval()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  fused=DEVICE == "cuda")
+    optimizer = train.build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=10**6)
     reward_fns = train.reward_list(list(rewards.REWARD_FUNCS.items()), args.reward_weights)
     B = a.batch_size
@@ -290,7 +289,7 @@ def worker_trl(a):
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
         learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch_fused" if cuda else "adamw_torch",  # ours: AdamW, fused on CUDA only
+        optim="adamw_torch_fused",  # ours: fused AdamW on CUDA and CPU alike (TRL's own default)
         max_steps=n * a.num_iterations, shuffle_dataset=False, dataloader_num_workers=0)
 
     times, record = [], {}

@@ -346,6 +346,91 @@ def test_a_row_with_no_tokens_contributes_0_not_nan():
     assert loss.item() == pytest.approx(-0.5, abs=TOL)                       # (1 + 0) / 2 sequences
 
 
+# ---------------------------------------------------------------- grpo.py: review follow-ups (merged into test_grpo.py)
+def test_stats_count_clipped_tokens_with_negative_advantage():
+    # A = -1: r = 0.7 is below 1 - ε, so the clipped term is the active one; r = 1.5 is not clipped (min picks r·A).
+    stats = {}
+    grpo_loss(torch.log(torch.tensor([[0.7, 1.5, 0.9]])), torch.zeros(1, 3), None, torch.tensor([-1.0]),
+              torch.ones(1, 3), beta=0.0, stats=stats)
+    assert stats["clipped"] == 1 and stats["tokens"] == 3
+
+
+def test_gspo_gradient_flows_through_the_sequence_ratio_to_every_token():
+    # J = mean_t s·A = s for A = 1, s = exp(mean of the 3 unmasked log-ratios): dJ/dlogπ_t = s/3, 0 where masked.
+    logps = torch.tensor([[0.1, -0.2, 0.4, 9.0]], requires_grad=True)
+    loss = grpo_loss(logps, torch.zeros(1, 4), None, torch.tensor([1.0]), torch.tensor([[1, 1, 1, 0]]),
+                     beta=0.0, epsilon=10.0, ratio_level="sequence")
+    loss.backward()
+    s = math.exp(0.1)
+    assert (-logps.grad).tolist()[0] == pytest.approx([s / 3, s / 3, s / 3, 0.0], abs=TOL)
+
+
+def count_cache_repeats(monkeypatch):
+    """Spy on DynamicCache.batch_repeat_interleave: the prompt-once path calls it, the plain path does not."""
+    from transformers import DynamicCache
+    calls = []
+    original = DynamicCache.batch_repeat_interleave
+
+    def spy(self, repeats):
+        calls.append(repeats)
+        return original(self, repeats)
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", spy)
+    return calls
+
+
+@pytest.mark.parametrize("group_size,checkpointing,expected_calls", [(1, False, []), (4, False, [4]), (4, True, [])],
+                         ids=["plain", "prompt-once", "checkpointing-falls-back"])
+def test_token_logprobs_takes_the_prompt_once_path_only_where_it_can(monkeypatch, group_size, checkpointing,
+                                                                     expected_calls):
+    calls = count_cache_repeats(monkeypatch)
+    model = tiny_llama()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    ids, attention = left_padded_batch(group_size=4)
+    token_logprobs(model, ids, attention, 5, group_size=group_size)
+    assert calls == expected_calls
+
+
+def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_head():
+    # Under autocast the model's lm-head matmul runs in bf16; ours must compute (and differentiate) the same thing.
+    # Reference: autograd through (h.bf16 @ W.bf16ᵀ).float() / T. Both sides use bf16 matmuls of identical inputs;
+    # they differ only in how bf16 partial results are summed (ours accumulates chunk gradients of W in fp32), so
+    # they agree to bf16 resolution: rtol 2e-2 is ~5 units of bf16's 2^-8 relative rounding.
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(37, 16, generator=gen) * 3).requires_grad_()
+    weight = (torch.randn(50, 16, generator=gen)).requires_grad_()
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    upstream = torch.randn(37, generator=gen)
+    logits = (hidden.bfloat16() @ weight.bfloat16().T).float() / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    exp_h, exp_w = torch.autograd.grad((expected * upstream).sum(), [hidden, weight])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = grpo._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)   # 5 chunks, the last one partial
+    got_h, got_w = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
+    assert got.dtype == torch.float32 and hidden.grad is None
+    torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)   # the same bf16 logits, fp32 after
+    torch.testing.assert_close(got_h, exp_h, rtol=2e-2, atol=2e-2 * exp_h.abs().max().item())
+    torch.testing.assert_close(got_w, exp_w, rtol=2e-2, atol=2e-2 * exp_w.abs().max().item())
+
+
+def test_token_logprobs_equal_the_log_probs_generate_sampled_from():
+    # generate's processed scores at temperature 0.7 (no top-k/top-p) are exactly the distribution each token was
+    # drawn from; token_logprobs must give the same log-probs for the drawn tokens (left-padded, fp32: 1e-5).
+    model = tiny_llama()
+    ids, attention = left_padded_batch(group_size=1, completion_length=1)
+    prompt, prompt_mask = ids[:, :-1], attention[:, :-1]
+    torch.manual_seed(0)
+    out = model.generate(input_ids=prompt, attention_mask=prompt_mask, do_sample=True, temperature=0.7, top_k=0,
+                         top_p=1.0, max_new_tokens=6, min_new_tokens=6, num_return_sequences=4,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    completion = out.sequences[:, prompt.shape[1]:]                                  # [B*4, 6]
+    sampled = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, completion[:, t:t + 1]).squeeze(-1)
+                           for t, s in enumerate(out.scores)], dim=1)
+    mask = torch.cat([prompt_mask.repeat_interleave(4, 0), torch.ones_like(completion)], dim=1)
+    logps = token_logprobs(model, out.sequences, mask, 6, temperature=0.7, group_size=4)
+    torch.testing.assert_close(logps, sampled, rtol=0, atol=1e-5)
+
 # ================================================================ data.py and rewards.py
 # The real GSM8K files, shared beside the repository and not copied into it.
 GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k")
@@ -734,13 +819,13 @@ def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path, monkeypatch
     assert row["step"] == 1 and math.isfinite(row["loss"]) and row["rewards/correctness_std"] > 0
 
 
-def test_mu_2_computes_old_logps_once_and_the_second_iteration_ratio_is_not_1(tmp_path, monkeypatch):
+def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is_not_1(tmp_path, monkeypatch):
     monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
     calls, frozen = [], []
     real_loss, real_logps = train.grpo.grpo_loss, train.compute_logps
 
     def spy_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
-        calls.append((logps.detach().clone(), old_logps.clone(), mask.bool()))
+        calls.append((logps.detach().clone(), None if old_logps is None else old_logps.clone(), mask.bool()))
         return real_loss(logps, old_logps, ref_logps, advantages, mask, **kw)
 
     def spy_logps(model, batch, args):
@@ -750,15 +835,37 @@ def test_mu_2_computes_old_logps_once_and_the_second_iteration_ratio_is_not_1(tm
     monkeypatch.setattr(train.grpo, "grpo_loss", spy_loss)
     monkeypatch.setattr(train, "compute_logps", spy_logps)
     train.main(tiny_argv(tmp_path / "run", "--num-iterations", "2"))
-    assert len(frozen) == 2  # reference + old log-probs, once per step, not once per iteration
-    assert len(calls) == 4   # 2 iterations x 2 micro-batches
+    assert frozen == [False]  # one frozen forward per step: the reference; pi_old needs no pass of its own
+    assert len(calls) == 4    # 2 iterations x 2 micro-batches
     for first, second in zip(calls[:2], calls[2:]):
         logps1, old1, mask = first
         logps2, old2, _ = second
-        assert torch.equal(old1, old2)  # iteration 2 reuses the cached pi_old log-probs
-        ratio1, ratio2 = torch.exp(logps1 - old1)[mask], torch.exp(logps2 - old2)[mask]
-        assert torch.allclose(ratio1, torch.ones_like(ratio1), atol=1e-5)  # before any update: pi_theta == pi_old
+        assert old1 is None  # iteration 1: pi_old = sg(pi_theta), ratio exactly 1
+        assert torch.equal(old2, logps1)  # iteration 2's pi_old: iteration 1's log-probs, bit for bit
+        ratio2 = torch.exp(logps2 - old2)[mask]
         assert (ratio2 - 1).abs().max() > 1e-3  # after the first update the ratio moved away from 1
+
+
+def test_policy_update_stores_iteration_1_logps_as_old_logps_zero_past_each_micro_batch(tmp_path):
+    args = train.parse_args(tiny_argv(tmp_path, "--num-iterations", "2", "--micro-batch-size", "4", "--beta", "0"))
+    model, _ = train.demo_model_and_tokenizer(seed=0)
+    torch.manual_seed(0)
+    ids = torch.cat([torch.randint(3, 26, (2, 3)).repeat_interleave(4, dim=0), torch.randint(3, 26, (8, 4))], dim=1)
+    completion = torch.tensor([[1, 1, 0, 0]] * 4 + [[1, 1, 1, 1]] * 4)  # micro-batch 1 needs 2 columns, 2 needs 4
+    batch = train.training_batch(ids, torch.ones(2, 3, dtype=torch.long), completion,
+                                 torch.tensor([1.0, -1.0] * 4), 4)
+    expected = torch.zeros(8, 4)
+    with torch.no_grad():
+        expected[:4, :2] = grpo.token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, args.temperature)
+        expected[4:] = grpo.token_logprobs(model, ids[4:], torch.ones(4, 7), 4, args.temperature)
+    optimizer = train.build_optimizer(model, args)
+    scheduler = train.get_scheduler("constant", optimizer)
+    train.policy_update(model, optimizer, scheduler, batch, args)
+    assert torch.allclose(batch["old_logps"], expected, atol=1e-5)
+    assert (batch["old_logps"][:4, 2:] == 0).all() and (batch["old_logps"][:4, :2] < 0).all()
+    stored = batch["old_logps"]
+    train.policy_update(model, optimizer, scheduler, batch, args)
+    assert batch["old_logps"] is stored  # iteration 2 reads it and leaves it as it is
 
 
 def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, monkeypatch):
@@ -799,6 +906,150 @@ def test_gradient_checkpointing_gives_the_same_step(tmp_path, monkeypatch):
     plain, checkpointed = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "checkpointed")[0]
     for key in ("loss", "kl", "grad_norm"):
         assert math.isclose(plain[key], checkpointed[key], rel_tol=1e-4, abs_tol=1e-7), key
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(tmp_path, monkeypatch, checkpointing):
+    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
+    calls, real = [], train.grpo.token_logprobs
+
+    def spy(model, *a, group_size=1, **kw):
+        calls.append((model.training, group_size))
+        return real(model, *a, group_size=group_size, **kw)
+
+    monkeypatch.setattr(train.grpo, "token_logprobs", spy)
+    train.main(tiny_argv(tmp_path / "run", *["--gradient-checkpointing"] * checkpointing))
+    reference = [g for training, g in calls if not training]
+    # Checkpointing: the policy's forward runs token_logprobs' plain path (no cache in training), so the reference
+    # runs it too (group_size=1); without it both share each prompt's forward across its group (G=4).
+    assert reference == ([1, 1] if checkpointing else [4, 4])  # 2 micro-batches
+    assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0  # step 1, fp32: pi_ref == pi_theta exactly
+
+
+# --- generation: flags only, each prompt prefilled once, top-k then top-p on the survivors ----------------------------
+
+
+def left_padded_prompts(lengths, vocab_size, seed=1):
+    """[B, P] ids and mask, left-padded with id 0, prompts of the given lengths (random ids >= 2)."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids, mask = torch.zeros(len(lengths), P, dtype=torch.long), torch.zeros(len(lengths), P, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, P - n:] = torch.randint(2, vocab_size, (n,), generator=g)
+        mask[i, P - n:] = 1
+    return ids, mask
+
+
+def small_llama(seed=0, vocab_size=97):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    return model
+
+
+class IdsTokenizer:
+    pad_token_id, eos_token_id = 0, 1
+
+
+def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_padding(tmp_path, monkeypatch):
+    model = small_llama()
+    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)  # the 1-token prompt's prefill columns are all padding
+    # top-k = 1: sampling keeps only the argmax, so generation is greedy and both calls must agree token for token.
+    args = train.parse_args(tiny_argv(tmp_path, "--top-k", "1", "--max-new-tokens", "12", "--num-generations", "3"))
+    prefilled, real_prefill = [], train.prefill_prompts
+    monkeypatch.setattr(train, "prefill_prompts", lambda *a: prefilled.append(a[1].shape) or real_prefill(*a))
+    once = train.generate_completions(model, IdsTokenizer, ids, mask, args)
+    monkeypatch.setattr(train, "prefill_prompts", lambda *a: None)  # the fallback: generate expands the prompts
+    plain = train.generate_completions(model, IdsTokenizer, ids, mask, args)
+    assert prefilled == [torch.Size([4, 8])]  # the B prompts once, not B*G rows
+    assert once.shape == plain.shape == (12, 8 + 12)
+    assert torch.equal(once, plain)
+    assert torch.equal(once[:, :8], ids.repeat_interleave(3, dim=0))  # rows group after group
+    assert len({tuple(row) for row in once[:, 8:].tolist()}) > 1  # not a degenerate all-equal output
+
+
+def test_generation_follows_the_flags_not_the_checkpoints_generation_config(tmp_path):
+    args = train.parse_args(tiny_argv(tmp_path, "--temperature", "0.7", "--top-k", "20", "--top-p", "0.8",
+                                      "--max-new-tokens", "10", "--num-generations", "3"))
+    ids, mask = left_padded_prompts([4, 6], 97)
+    clean, polluted = small_llama(), small_llama()
+    gc = polluted.generation_config
+    gc.repetition_penalty, gc.no_repeat_ngram_size, gc.suppress_tokens, gc.min_p = 2.0, 2, [5, 6, 7], 0.5
+    gc.temperature, gc.top_k, gc.top_p, gc.min_new_tokens = 0.1, 3, 0.2, 10
+    used = []
+    real = type(polluted)._get_logits_processor
+
+    def record(self, generation_config, *a, **kw):
+        used.append(real(self, generation_config, *a, **kw))
+        return used[-1]
+
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(polluted), "_get_logits_processor", record)
+        for name, model in (("clean", clean), ("polluted", polluted)):
+            torch.manual_seed(0)
+            out[name] = train.generate_completions(model, IdsTokenizer, ids, mask, args)
+    assert torch.equal(out["clean"], out["polluted"])  # same seed, same samples: the checkpoint's settings unused
+    assert polluted.generation_config.repetition_penalty == 2.0  # and left as they were
+    assert len(used) == 2
+    for processors in used:  # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
+        assert [type(p) for p in processors] == [train.TemperatureTopKTopP]
+        assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (0.7, 20, 0.8)
+
+
+def hf_warpers(scores, temperature, top_k, top_p):
+    """transformers' own sampling warpers, in generate()'s order."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 50, 1000])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
+def test_one_processor_equals_hf_temperature_then_top_k_then_top_p_on_random_logits(top_k, top_p):
+    scores = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
+    scores[0, :10] = float("-inf")  # as after min_new_tokens' EOS ban
+    ours = train.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
+    assert torch.equal(ours, hf_warpers(scores, 0.7, top_k, top_p))  # same survivors, same logits: same probabilities
+
+
+@pytest.mark.parametrize("top_p, survivors", [(1.0, [0, 1, 2, 3, 4]), (0.99, [0, 1, 2, 3, 4]), (0.8, [0, 1]),
+                                              (0.5, [0])])
+def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
+    # logits 5, 4, then 2 three times: top-k=3 keeps all five (ties with the 3rd survive, as in HF). Probabilities
+    # over them 0.658, 0.242, 0.033 x3: ascending cumulative 0.033 0.066 0.098 0.341 1, so top-p 0.8 drops the three
+    # tied tokens (cumulative <= 0.2) and 0.5 also token 1. No top-p cut falls inside the tied block (where HF's own
+    # result depends on torch.sort's unstable order of equal logits).
+    scores = torch.tensor([[5.0, 4.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2, 1)
+    scores[1] = scores[1].flip(0)  # the same logits in reverse vocabulary order
+    ours = train.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
+    assert torch.equal(ours, hf_warpers(scores, 1.0, 3, top_p))
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == survivors
+    assert torch.equal(ours[0][survivors], scores[0][survivors])
+
+
+def test_adamw_is_fused_on_cpu(tmp_path):
+    model, _ = train.demo_model_and_tokenizer(seed=0)
+    optimizer = train.build_optimizer(model, train.parse_args(tiny_argv(tmp_path)))
+    assert optimizer.defaults["fused"] is True
+
+
+def test_bf16_reference_is_cast_before_the_move_and_the_policy_stays_fp32(tmp_path, monkeypatch):
+    model, _ = train.demo_model_and_tokenizer(seed=0)
+    moves, real_to = [], torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moves.append(a) or real_to(self, *a, **k))
+    ref = train.reference_model(model, train.parse_args(tiny_argv(tmp_path, "--dtype", "bf16", "--device", "cpu")))
+    assert moves == [(torch.bfloat16,), ("cpu",)]  # dtype first: no fp32 copy on the device
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and not ref.training
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
