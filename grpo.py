@@ -183,20 +183,24 @@ class _LinearLogprobs(torch.autograd.Function):
                 logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
                 lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
                 out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
+        # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
+        last = logits if h.shape[0] else None
+        ctx.save_for_backward(hidden, weight, targets, lse, last)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return out - lse
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, last = ctx.saved_tensors
         size, device = ctx.chunk_size, hidden.device.type
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-            for s in range(0, h.shape[0], size):
-                logits = (h[s:s + size] @ w.T).float() / ctx.temperature
+            starts = list(range(0, h.shape[0], size))
+            for s in reversed(starts):
+                logits = last if s == starts[-1] else (h[s:s + size] @ w.T).float() / ctx.temperature
                 # d logp / d logits = onehot(target) - softmax, times the incoming gradient and 1/temperature
                 grad_logits = -torch.exp(logits - lse[s:s + size, None])
                 grad_logits.scatter_add_(-1, targets[s:s + size, None], torch.ones_like(grad_logits[:, :1]))
