@@ -322,7 +322,7 @@ def test_token_logprobs_with_gradient_checkpointing_falls_back_to_plain_path():
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
     expected = naive_logprobs(model, ids, attention, 5, 1.0).detach()
-    model.gradient_checkpointing_enable()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # renamed in 5.x
     model.train()
     logps = token_logprobs(model, ids, attention, 5, group_size=4)
     torch.testing.assert_close(logps.detach(), expected, rtol=0, atol=1e-5)
@@ -385,7 +385,7 @@ def test_token_logprobs_takes_the_prompt_once_path_only_where_it_can(monkeypatch
     calls = count_cache_repeats(monkeypatch)
     model = tiny_llama()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.train()
     ids, attention = left_padded_batch(group_size=4)
     token_logprobs(model, ids, attention, 5, group_size=group_size)
