@@ -12,7 +12,6 @@ another's. Models are random-weight Llamas and a word-level tokenizer built in c
 """
 import argparse
 import contextlib
-import copy
 import json
 import os
 import re
@@ -208,8 +207,7 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
         texts = train.decode_completions(tokenizer, completion_ids, mask)
         total_reward, _ = train.score_completions(texts, answers, reward_fns)
         advantages = grpo.group_advantages(total_reward, G, scale=args.scale_rewards).to(args.device)
-        batch = dict(input_ids=sequences, attention_mask=torch.cat([prompt_mask.repeat_interleave(G, 0), mask], 1),
-                     completion_mask=mask, advantages=advantages, ref_logps=None, old_logps=None)
+        batch = train.training_batch(sequences, prompt_mask, mask, advantages, G)
     if int(mask.sum()) != mask.numel():
         raise RuntimeError(f"completions are not fixed-length: lengths {mask.sum(1).tolist()}")
     with phase(record, "ref+old logps"):
@@ -231,9 +229,7 @@ def worker_ours(a):
     fix_length(model, a.max_new_tokens)
     start = checksum(model)
     model.to(DEVICE)
-    ref_model = None
-    if args.beta > 0:  # as train.py does: a frozen copy of the initial policy
-        ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+    ref_model = train.reference_model(model, args)  # None when beta == 0, as in train.py
     model.train()
     optimizer = train.build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=10**6)
