@@ -1,7 +1,7 @@
 """Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table last.
 
     python bench.py                                # --logprobs, then --step --config tiny: a few minutes on 2 cores
-    python bench.py --logprobs                     # a. grpo.token_logprobs vs log_softmax(logits / T).gather
+    python bench.py --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
     python bench.py --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
     BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --vs-trl --config tiny   # c. the same step in TRL
 
@@ -23,11 +23,15 @@ import tempfile
 import time
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, get_scheduler
+from transformers import get_scheduler
 
+import checkpoint
+import config
+import data
+import demo
 import grpo
 import rewards
+import sampling
 import train
 
 # Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
@@ -43,7 +47,6 @@ CONFIGS = {
 }
 # Per config: prompt tokens, new tokens, timed steps per run (after one warm-up step).
 SHAPES = {"tiny": (40, 64, 5), "100m": (64, 64, 2), "smollm2-1.7b": (128, 300, 3)}
-PAD, EOS = 0, 1  # token ids of "<pad>" and "<eos>" in build_tokenizer's vocabulary
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -101,22 +104,14 @@ PEAK = [0]  # the highest peak any phase() saw: the process's peak memory during
 # Model, tokenizer, prompts: built in code from a seed, so every subprocess (ours or TRL's) has the same weights.
 
 
-def build_model(config, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**CONFIGS[config], tie_word_embeddings=True, max_position_embeddings=8192,
-                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
-    model = LlamaForCausalLM(cfg).float()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
-    return model
+def build_model(name, seed=0):
+    shape = dict(CONFIGS[name])
+    return demo.tiny_llama(shape.pop("vocab_size"), seed, **shape)
 
 
 def build_tokenizer(vocab_size):
     """Word level: "<pad>", "<eos>", then "w0", "w1", ... so a prompt of P words is exactly P tokens."""
-    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)]
-    word_level = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", eos_token="<eos>")
-    return train.prepare_tokenizer(tokenizer)
+    return demo.word_tokenizer(["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)], unk_token="<pad>")
 
 
 def build_prompts(n, length, vocab_size, seed=1):
@@ -133,18 +128,11 @@ def checksum(model):
 def fix_length(model, new_tokens):
     """Fixed-length generation: EOS gets probability 0 until new_tokens are written (transformers' min_new_tokens),
     so every completion is exactly new_tokens long and runs compare. Set on the model's generation config (which
-    TRL's generate starts from); train.generate_completions ignores that config (sampling from the flags only), so
-    our_step passes min_new_tokens to it instead."""
+    TRL's generate starts from); sampling.generate ignores that config (sampling from the flags only), so our_step
+    passes min_new_tokens to it instead."""
     model.generation_config.min_new_tokens = new_tokens
 
 
-def loop_args(a):
-    """train.py's own flags for this benchmark (its defaults for anything not given here)."""
-    argv = ["--num-generations", a.num_generations, "--beta", a.beta, "--num-iterations", a.num_iterations,
-            "--max-new-tokens", a.max_new_tokens, "--batch-size", a.batch_size, "--gradient-accumulation-steps", 1,
-            "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--lr", a.lr,
-            "--lr-scheduler", "constant", "--device", DEVICE, "--dtype", a.dtype, "--reward-weights", "1.0,1.0"]
-    return train.parse_args([str(x) for x in argv])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -153,19 +141,18 @@ def loop_args(a):
 
 def worker_logprobs(a):
     """a. Log-probs of N=16 x C=512 completion tokens at V=49,152 through a one-layer Llama (SmolLM2-135M's width),
-    so the lm-head and log-softmax dominate. --variant ours: grpo.token_logprobs (chunked lm-head: no [N, C, V] tensor);
+    so the lm-head and log-softmax dominate. --variant ours: sampling.token_logprobs (chunked lm-head: no [N, C, V]);
     naive: the logits (only the C positions needed), then log_softmax(logits / T).gather. --backward adds a backward."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).float().to(DEVICE).eval()
+    model = demo.tiny_llama(49152, 0, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                            num_attention_heads=9, num_key_value_heads=3).to(DEVICE).eval()
+    cfg = model.config
     N, C, P, T = 16, 512, 16, 0.9
     ids = torch.randint(cfg.vocab_size, (N, P + C), device=DEVICE)
     attn = torch.ones_like(ids)
     weights = torch.randn(N, C, device=DEVICE)  # d loss / d logp, for the backward
 
     def ours():
-        return grpo.token_logprobs(model, ids, attn, C, T)
+        return sampling.token_logprobs(model, ids, attn, C, T)
 
     def naive():
         logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], logits_to_keep=C).logits  # [N, C, V]
@@ -192,58 +179,52 @@ def worker_logprobs(a):
     return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
 
 
-def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, reward_fns, args, record):
-    """One step of train.py's loop (its numbered steps 1-9), each phase timed. Logging is left out."""
-    G, eos = args.num_generations, train.eos_token_ids(model, tokenizer)
-    with phase(record, "generate"):
-        # 1. Prompts tokenized once [B, P]; 3. G samples each, one generate call [B*G, P+C].
-        prompt_ids, prompt_mask = train.tokenize_prompts(tokenizer, prompts, args.device)
-        sequences = train.generate_completions(model, tokenizer, prompt_ids, prompt_mask, args,
-                                               min_new_tokens=args.max_new_tokens)
-    with phase(record, "rewards"):
-        # 4. completion mask; 5. rewards of the decoded texts; 6. group-relative advantages.
-        completion_ids = sequences[:, prompt_ids.shape[1]:]
-        mask = grpo.completion_mask(completion_ids, eos)
-        texts = train.decode_completions(tokenizer, completion_ids, mask)
-        total_reward, _ = train.score_completions(texts, answers, reward_fns)
-        advantages = grpo.group_advantages(total_reward, G, scale=args.scale_rewards).to(args.device)
-        batch = train.training_batch(sequences, prompt_mask, mask, advantages, G)
+def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, task_rewards, a, record):
+    """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
+    G, amp = a.num_generations, sampling.AMP[a.dtype]
+    settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
+    objective = train.Objective(beta=a.beta, max_tokens=a.max_new_tokens)  # ε 0.2, loss grpo: train.py's defaults
+    with phase(record, "generate"):  # 7: G samples per prompt, one generate call, fixed length
+        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp, min_new_tokens=a.max_new_tokens)
+    with phase(record, "rewards"):   # 8 and 9: rewards and group-relative advantages
+        reward, _ = train.score(rollouts.texts, answers, task_rewards)
+        advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
+    mask = rollouts.completion_mask
     if int(mask.sum()) != mask.numel():
         raise RuntimeError(f"completions are not fixed-length: lengths {mask.sum(1).tolist()}")
-    with phase(record, "ref+old logps"):
-        # 7. reference log-probs (only when beta > 0).
-        if ref_model is not None:
-            batch["ref_logps"] = train.compute_logps(ref_model, batch, args)
-    with phase(record, "policy fwd+bwd+opt"):
-        # 9. mu optimizer updates on the same samples; 8. (mu > 1) the first one keeps its log-probs as pi_old's.
-        for _ in range(args.num_iterations):
-            train.policy_update(model, optimizer, scheduler, batch, args)
+    micro = a.batch_size * G
+    with phase(record, "ref+old logps"):  # π_ref's log-probs (only when beta > 0)
+        ref_logps = None if ref_model is None else train.frozen_logps(ref_model, rollouts, micro, amp)
+    with phase(record, "policy fwd+bwd+opt"):  # 10-11: mu updates; iteration 1's log-probs are π_old's
+        old_logps = None
+        for _ in range(a.num_iterations):
+            _, logps = train.policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, ref_logps,
+                                           objective=objective, micro_batch_size=micro, amp=amp)
+            old_logps = logps if a.num_iterations > 1 and old_logps is None else old_logps
     return mask.numel()
 
 
 def worker_ours(a):
     """b. (and c.'s side A): warm-up step(s), then a.steps timed steps of our loop."""
-    args = loop_args(a)
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
     fix_length(model, a.max_new_tokens)
     start = checksum(model)
     model.to(DEVICE)
-    ref_model = train.reference_model(model, args)  # None when beta == 0, as in train.py
+    ref_model = checkpoint.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
     model.train()
-    optimizer = train.build_optimizer(model, args)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=10**6)
-    reward_fns = train.reward_list(list(rewards.REWARD_FUNCS.items()), args.reward_weights)
+    optimizer = checkpoint.build_optimizer(model, a.lr, weight_decay=0.0)
+    scheduler = get_scheduler("constant", optimizer)
+    task_rewards = data.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
     B = a.batch_size
     prompts = build_prompts((a.warmup + a.steps) * B, a.prompt_len, model.config.vocab_size)
     steps = []
     for i in range(a.warmup + a.steps):
         record = {}
-        batch_prompts = prompts[i * B:(i + 1) * B]
-        answers = ["42"] * (B * args.num_generations)
+        answers = ["42"] * (B * a.num_generations)
         t0, c0 = time.perf_counter(), time.process_time()
-        tokens = our_step(model, ref_model, tokenizer, optimizer, scheduler, batch_prompts, answers, reward_fns,
-                          args, record)
+        tokens = our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts[i * B:(i + 1) * B], answers,
+                          task_rewards, a, record)
         record["step"] = (time.perf_counter() - t0, max(v[1] for v in record.values()), time.process_time() - c0)
         steps.append(record)
     return dict(checksum=start, tokens=tokens, first=steps[0]["step"][0], steps=steps[a.warmup:], peak_bytes=PEAK[0])
@@ -254,7 +235,7 @@ def worker_trl(a):
     sampling, beta, mu, batch, lr, optimizer, clipping and precision; its phases timed by wrapping its methods."""
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
@@ -269,25 +250,7 @@ def worker_trl(a):
     prompts = build_prompts(n * B, a.prompt_len, model.config.vocab_size)
     dataset = Dataset.from_dict({"prompt": prompts, "answer": ["42"] * len(prompts)})
 
-    def trl_reward(fn):  # TRL calls fn(prompts=..., completions=..., <dataset columns>=...)
-        def reward(completions, answer, **kwargs):
-            return fn(completions, answer)
-        reward.__name__ = fn.__name__
-        return reward
-
-    cuda = DEVICE == "cuda"
-    config = GRPOConfig(
-        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
-        use_cpu=not cuda, bf16=a.dtype == "bf16", fp16=False, gradient_checkpointing=False,  # TRL defaults: bf16, on
-        per_device_train_batch_size=B * G, gradient_accumulation_steps=1,  # TRL counts completions, not prompts
-        num_generations=G, max_completion_length=a.max_new_tokens,
-        generation_kwargs={"min_new_tokens": a.max_new_tokens},  # fixed length, as fix_length does for ours
-        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-        beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch_fused",  # ours: fused AdamW on CUDA and CPU alike (TRL's own default)
-        max_steps=n * a.num_iterations, shuffle_dataset=False, dataloader_num_workers=0)
-
+    config = trl_config(a, tmp, n)
     times, record = [], {}
 
     class StepTimer(TrainerCallback):  # an optimizer step: generation (when due), rewards, log-probs, loss, update
@@ -300,9 +263,32 @@ def worker_trl(a):
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
                           args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(start)
+    lengths = time_phases(trainer, times, record)
+    mem_start()  # peak memory from here: the training steps, as PEAK for ours
+    trainer.train()
+    peak = mem_peak()
+    shutil.rmtree(tmp, ignore_errors=True)
+    if set(lengths) != {a.max_new_tokens}:
+        raise RuntimeError(f"TRL completions are not fixed-length: {sorted(set(lengths))}")
+    steps = trl_steps(times, record, n, a.num_iterations)
+    return dict(checksum=start, same_ref=same_ref, tokens=B * G * a.max_new_tokens, first=steps[0]["step"][0],
+                steps=steps[a.warmup:], peak_bytes=peak)
+
+
+def trl_reward(fn):
+    """Our reward function as TRL calls it: fn(prompts=..., completions=..., <dataset columns>=...)."""
+    def reward(completions, answer, **kwargs):
+        return fn(completions, answer)
+    reward.__name__ = fn.__name__
+    return reward
+
+
+def time_phases(trainer, times, record):
+    """Wrap TRL's generate, rewards and no-grad log-prob methods to time them (measurement only): record[step][phase]
+    accumulates (wall s, CPU s). Returns the list that will hold each generated completion's length."""
     lengths = []
 
-    def timed(name, fn, when=lambda: True):  # wrap a TRL method to time it (measurement only)
+    def timed(name, fn, when=lambda: True):
         def wrapper(*args, **kwargs):
             if not when():
                 return fn(*args, **kwargs)
@@ -319,13 +305,30 @@ def worker_trl(a):
     trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed("ref+old logps", trainer._get_per_token_logps_and_entropies,
                                                        when=lambda: not torch.is_grad_enabled())
-    mem_start()  # peak memory from here: the training steps, as PEAK for ours
-    trainer.train()
-    peak = mem_peak()
-    shutil.rmtree(tmp, ignore_errors=True)
-    if set(lengths) != {a.max_new_tokens}:
-        raise RuntimeError(f"TRL completions are not fixed-length: {sorted(set(lengths))}")
-    mu = a.num_iterations  # one GRPO step (generate + mu updates) = mu TRL optimizer steps
+    return lengths
+
+
+def trl_config(a, tmp, n):
+    """TRL's settings for the same step as ours: same G, new tokens, sampling, beta, mu, batch, lr, optimizer,
+    clipping and precision."""
+    from trl import GRPOConfig
+    cuda = DEVICE == "cuda"
+    return GRPOConfig(
+        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        use_cpu=not cuda, bf16=a.dtype == "bf16", fp16=False, gradient_checkpointing=False,  # TRL defaults: bf16, on
+        # TRL counts its batch in completions, not prompts
+        per_device_train_batch_size=a.batch_size * a.num_generations, gradient_accumulation_steps=1,
+        num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
+        generation_kwargs={"min_new_tokens": a.max_new_tokens},  # fixed length, as fix_length does for ours
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
+        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch_fused",  # ours: fused AdamW on CUDA and CPU alike (TRL's own default)
+        max_steps=n * a.num_iterations, shuffle_dataset=False, dataloader_num_workers=0)
+
+
+def trl_steps(times, record, n, mu):
+    """TRL's phases per GRPO step (generate + mu updates = mu TRL optimizer steps): {phase: [wall s, 0, CPU s]}."""
     steps = []
     for i in range(n):
         phases = {"step": [0.0, 0, 0.0]}
@@ -336,11 +339,10 @@ def worker_trl(a):
                 old = phases.get(name, [0.0, 0, 0.0])
                 phases[name] = [old[0] + wall, 0, old[2] + cpu]
         # The rest of the step: policy forward (with entropies) + backward + clip + AdamW, and TRL's bookkeeping.
-        phases["policy fwd+bwd+opt"] = [phases["step"][k] - sum(v[k] for n, v in phases.items() if n != "step")
+        phases["policy fwd+bwd+opt"] = [phases["step"][k] - sum(v[k] for p, v in phases.items() if p != "step")
                                         for k in range(3)]
         steps.append(phases)
-    return dict(checksum=start, same_ref=same_ref, tokens=B * G * a.max_new_tokens, first=steps[0]["step"][0],
-                steps=steps[a.warmup:], peak_bytes=peak)
+    return steps
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -388,7 +390,7 @@ def bench_logprobs(a, rows):
         err = max((n_out[k] - o_out[k]).abs().max().item() / (1 if k == "logp" else n_out[k].abs().max().item())
                   for k in n_out)
         mode = "fwd+bwd" if backward else "fwd (no grad)"
-        for name, r in (("naive log_softmax", naive), ("grpo.token_logprobs", ours)):
+        for name, r in (("naive log_softmax", naive), ("sampling.token_logprobs", ours)):
             rows.append((f"log-probs {mode}: {name}", f"{r['seconds']:.2f} s", f"+{mib(r['extra_bytes'])}", ""))
         rows.append((f"log-probs {mode}: ours / naive", f"{ours['seconds'] / naive['seconds']:.2f}x",
                      f"{ours['extra_bytes'] / naive['extra_bytes']:.2f}x",
@@ -446,12 +448,12 @@ def main():
     p.add_argument("--batch-size", type=int, default=1, help="prompts per step (B); B*G completions")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens; default per config (SHAPES)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens; default per config (SHAPES)")
-    p.add_argument("--beta", type=float, default=train.build_parser().get_default("beta"))
+    p.add_argument("--beta", type=float, default=config.build_parser().get_default("beta"))
     p.add_argument("--num-iterations", type=int, default=1, help="mu")
-    p.add_argument("--lr", type=float, default=train.build_parser().get_default("lr"))
-    p.add_argument("--temperature", type=float, default=train.build_parser().get_default("temperature"))
-    p.add_argument("--top-p", type=float, default=train.build_parser().get_default("top_p"))
-    p.add_argument("--top-k", type=int, default=train.build_parser().get_default("top_k"))
+    p.add_argument("--lr", type=float, default=config.build_parser().get_default("lr"))
+    p.add_argument("--temperature", type=float, default=config.build_parser().get_default("temperature"))
+    p.add_argument("--top-p", type=float, default=config.build_parser().get_default("top_p"))
+    p.add_argument("--top-k", type=int, default=config.build_parser().get_default("top_k"))
     p.add_argument("--dtype", default="bf16" if DEVICE == "cuda" else "fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=None, help="timed steps per run, after --warmup; default per config")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run")

@@ -1,28 +1,46 @@
-"""GSM8K for GRPO: load the rows, turn a question into a chat prompt, serve seeded batches.
+"""Tasks for GRPO: what a run learns from (rows, a prompt builder, reward functions), and GSM8K.
 
 GSM8K (Cobbe et al. 2021, arXiv 2110.14168) is 7,473 train and 1,319 test grade-school word problems.
 Each JSONL row is {"question": ..., "answer": "<worked solution>\\n#### <final number>"}; the data
 lives in the openai/grade-school-math GitHub repository (MIT license).
 
-How train.py uses this file:
-
-    rows = load_gsm8k("train", path=args.data)        # args.data=None downloads once, then uses the cache
-    for step, batch in enumerate(prompt_batches(rows, args.batch_size, args.seed, start_step), start_step):
-        prompts = [build_prompt(tokenizer, row["question"]) for row in batch]
-        answers = [row["answer"] for row in batch]    # reference numbers for rewards.py
-        ...                                           # generate G completions per prompt; score them with
-        ...                                           # each answer repeated G times (aligned lists); update
-        # a checkpoint saves `step + 1`; on resume pass it back as start_step and the
-        # batches continue exactly where they stopped (same rows, seed and batch size)
+How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed, s), a pure
+function of the step, so a resumed run continues with exactly the batches it would have seen (no iterator
+state to save); each row's question goes through task.prompt, and its answer (the reference number) is
+repeated G times beside the G completions that the reward functions score.
 """
 import json
 import os
 import re
 import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+
+class Reward(NamedTuple):
+    """One reward function and its weight: fn(completions, answers) -> one float per completion (see rewards.py)."""
+    name: str          # the name it is logged under: rewards/<name>, eval/<name>
+    fn: Callable
+    weight: float      # the total reward is the weighted sum of all the task's reward functions
+
+
+@dataclass
+class Task:
+    """What train() learns from. The demo, GSM8K and your own task enter the same way."""
+    train: list        # rows {"question": str, "answer": str}; the answer is what the reward functions compare with
+    eval: list         # held-out rows of the same form ([] when evaluation is off)
+    prompt: Callable   # (tokenizer, question) -> the text the policy continues
+    rewards: list      # [Reward]
+
+
+def weighted(named_fns, weights):
+    """[Reward] from [(name, fn)] and one weight each."""
+    return [Reward(name, fn, float(w)) for (name, fn), w in zip(named_fns, weights, strict=True)]
+
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "grpo", "gsm8k")
@@ -97,7 +115,7 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
     return rows
 
 
-# Our wording of seed 002's template: the task, the two tags, then one worked example in that format.
+# Our wording of the template of Pramodith's GRPO trainer blog: the task, the two tags, then one worked example in that format.
 SYSTEM_PROMPT = """You are a helpful assistant who solves math word problems.
 Think through the problem step by step inside <think> </think> tags.
 Then give only the final number inside <answer> </answer> tags.
@@ -139,16 +157,3 @@ def batch_at(rows: list, batch_size: int, seed: int, step: int) -> list:
     epoch, index = divmod(step, batches_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(rows))
     return [rows[i] for i in order[index * batch_size : (index + 1) * batch_size]]
-
-
-def prompt_batches(rows: list, batch_size: int, seed: int, start_step: int = 0) -> Iterator[list]:
-    """Yield batches of rows forever: batch_at(rows, batch_size, seed, step) for step = start_step, ...
-
-    The position in the data is the step number alone, so resuming from a checkpoint is
-    `prompt_batches(rows, batch_size, seed, start_step=steps_done)`: no iterator state to save.
-    Recomputing the epoch's permutation each step costs well under a millisecond for GSM8K.
-    """
-    step = start_step
-    while True:
-        yield batch_at(rows, batch_size, seed, step)
-        step += 1

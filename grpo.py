@@ -9,12 +9,12 @@ Group Relative Policy Optimization, DeepSeekMath (Shao et al. 2024, arXiv 2402.0
   Â_{i,t} = (r_i - mean(r)) / std(r)               (outcome supervision, §4.1.2)
 
 Shapes: N completions (= B prompts × G samples, laid out group after group), T completion tokens.
-Copy this file into your project as it is; nothing here imports transformers.
+Copy this file into your project as it is: it depends on torch alone. The log-probs it takes come from
+sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling temperature.
 """
 import torch
-import torch.utils.checkpoint
 
-__all__ = ["grpo_loss", "group_advantages", "process_advantages", "completion_mask", "token_logprobs"]
+__all__ = ["grpo_loss", "loss_denominator", "group_advantages", "process_advantages", "completion_mask"]
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.04,
@@ -29,9 +29,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
     epsilon_high: upper clip bound ε_high (DAPO's clip-higher, arXiv 2503.14476); defaults to epsilon.
     loss_type: "grpo" 1/N Σ_i 1/|o_i| Σ_t (the paper) | "dapo" Σ_{i,t} / Σ_i |o_i| (token-level, arXiv 2503.14476)
                | "dr_grpo" Σ_{i,t} / (N · max_tokens) (arXiv 2503.20783).
-    normalizer: the denominator above for the WHOLE batch when this call sees one micro-batch of it
-               (sequences for grpo, tokens for dapo, N·max_tokens for dr_grpo): micro-batch losses then sum
-               exactly to the full-batch loss. Default: this batch's own.
+    normalizer: loss_denominator of the WHOLE batch when this call sees one micro-batch of it: micro-batch
+               losses then sum exactly to the full-batch loss. Default: this batch's own.
     ratio_level: "token" (eq. 3) | "sequence" (GSPO, arXiv 2507.18071: one ratio per completion,
                exp of the mean token log-ratio).
     stats: optional dict, filled with detached sums over this batch's unmasked tokens:
@@ -43,8 +42,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps is None but beta != 0: the KL term needs reference log-probs")
-    if loss_type == "dr_grpo" and max_tokens is None and normalizer is None:
-        raise ValueError("loss_type='dr_grpo' needs max_tokens (the generation budget)")
     m = mask.bool()                                                          # [N, T]
     old = logps.detach() if old_logps is None else old_logps                 # μ = 1: π_old = sg(π_θ)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages      # Â_{i,t}: [N, 1] or [N, T]
@@ -61,15 +58,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0
         objective = objective - beta * kl                                    # ... - β D_KL
     objective = torch.where(m, objective, 0.0)                               # only tokens up to EOS count
-    if loss_type == "grpo":                                                  # 1/|o_i| Σ_t, then 1/G Σ_i
+    if loss_type == "grpo":                                                  # Σ_i 1/|o_i| Σ_t, over N (= 1/G Σ_i)
         total = (objective.sum(1) / m.sum(1).clamp(min=1)).sum()
-        denominator = logps.shape[0]
-    elif loss_type == "dapo":                                                # Σ_{i,t} / Σ_i |o_i|
-        total, denominator = objective.sum(), m.sum()
-    else:                                                                    # Σ_{i,t} / (N · max_tokens)
-        total, denominator = objective.sum(), logps.shape[0] * (max_tokens or 1)
-    if normalizer is not None:
-        denominator = normalizer
+    else:                                                                    # Σ_{i,t}, over Σ|o_i| or N·max_tokens
+        total = objective.sum()
     if stats is not None:
         with torch.no_grad():
             clip_active = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))
@@ -77,8 +69,27 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
             stats["clipped"] = (clip_active & m).sum().item()
             stats["ratio"] = ratio.masked_fill(~m, 0).sum().item()
+    denominator = loss_denominator(mask, loss_type, max_tokens) if normalizer is None else normalizer
     denominator = torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp(min=1)
     return -total / denominator                                              # maximize J ⇔ minimize -J
+
+
+def loss_denominator(mask, loss_type="grpo", max_tokens=None):
+    """What eq. 3's average divides by, for the completions of mask [N, T]: N sequences for "grpo" (each one
+    already averaged over its own tokens), Σ_i |o_i| tokens for "dapo", N · max_tokens for "dr_grpo".
+
+    grpo_loss uses it for its own batch. With gradient accumulation, pass the WHOLE batch's to every
+    micro-batch's grpo_loss as `normalizer`: a mean per micro-batch would weigh short and long ones alike.
+    """
+    if loss_type == "grpo":
+        return mask.shape[0]
+    if loss_type == "dapo":
+        return int(mask.bool().sum())
+    if loss_type == "dr_grpo":
+        if max_tokens is None:
+            raise ValueError("loss_type='dr_grpo' needs max_tokens (the generation budget)")
+        return mask.shape[0] * max_tokens
+    raise ValueError(f"loss_type must be 'grpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
 
 
 def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
@@ -144,157 +155,3 @@ def completion_mask(completion_ids, eos_token_id):
     is_eos = torch.isin(completion_ids, eos).long()                          # [N, T]
     eos_before = is_eos.cumsum(dim=1) - is_eos                               # EOS tokens strictly before t
     return (eos_before == 0).long()
-
-
-def _chosen_logprobs(logits, targets, temperature, chunk_size):
-    """log softmax(logits / temperature)[target] for logits [M, V], targets [M], chunk_size rows at a time.
-
-    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
-    fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
-    """
-    def chunk_logprobs(chunk, chunk_targets):
-        chunk = chunk.float() / temperature                                  # [chunk, V]
-        return chunk.gather(-1, chunk_targets[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
-
-    recompute = torch.is_grad_enabled() and logits.requires_grad
-    out = []
-    for s in range(0, logits.shape[0], chunk_size):
-        args = (logits[s:s + chunk_size], targets[s:s + chunk_size])
-        out.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute
-                   else chunk_logprobs(*args))
-    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
-
-
-class _LinearLogprobs(torch.autograd.Function):
-    """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W [V, H],
-    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist.
-    Under autocast the matmuls run in the autocast dtype, as the model's own lm-head would, in forward and in
-    backward alike, so backward recomputes exactly the logits forward saw."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        lse = torch.empty_like(out)
-        with torch.autocast(device, enabled=False):
-            h, w = hidden.to(dtype), weight.to(dtype)
-            for s in range(0, h.shape[0], chunk_size):
-                logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
-                lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
-                out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
-        # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
-        # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
-        last = logits if h.shape[0] else None
-        ctx.save_for_backward(hidden, weight, targets, lse, last)
-        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
-        return out - lse
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, lse, last = ctx.saved_tensors
-        size, device = ctx.chunk_size, hidden.device.type
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        with torch.autocast(device, enabled=False):
-            h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-            starts = list(range(0, h.shape[0], size))
-            for s in reversed(starts):
-                logits = last if s == starts[-1] else (h[s:s + size] @ w.T).float() / ctx.temperature
-                # d logp / d logits = onehot(target) - softmax, times the incoming gradient and 1/temperature
-                grad_logits = -torch.exp(logits - lse[s:s + size, None])
-                grad_logits.scatter_add_(-1, targets[s:s + size, None], torch.ones_like(grad_logits[:, :1]))
-                grad_logits = (grad_logits * (grad_out[s:s + size, None] / ctx.temperature)).to(ctx.dtype)
-                if grad_hidden is not None:
-                    grad_hidden[s:s + size] = grad_logits @ w
-                if grad_weight is not None:
-                    grad_weight += (grad_logits.T @ h[s:s + size]).float()
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
-# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping, no logit scaling, no bias.
-_PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-def _plain_linear_head(model):
-    """The lm-head Linear when the model's logits are exactly hidden @ Wᵀ, else None (use the logits path)."""
-    config = getattr(model, "config", None)
-    head = getattr(model, "lm_head", None)
-    if (getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES or not isinstance(head, torch.nn.Linear)
-            or head.bias is not None or getattr(model, "model", None) is None):
-        return None
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return None
-    return head
-
-
-def _features(model, input_ids, attention_mask, position_ids, num_positions, use_cache=False, past_key_values=None):
-    """Run the model; return (features of the last num_positions positions, plain lm-head or None, cache).
-
-    For plain-head models the features are final hidden states [N, k, H] (the head is applied chunk by chunk
-    later); otherwise they are logits [N, k, V], asked for with logits_to_keep so no more are computed.
-    """
-    head = _plain_linear_head(model)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  past_key_values=past_key_values, use_cache=use_cache)
-    if head is not None:
-        out = model.model(**kwargs)
-        features = out.last_hidden_state[:, out.last_hidden_state.shape[1] - num_positions:]
-    else:
-        out = model(**kwargs, logits_to_keep=num_positions)
-        features = out.logits[:, out.logits.shape[1] - num_positions:]
-    return features, head, getattr(out, "past_key_values", None)
-
-
-def _logprobs(features, head, targets, temperature, chunk_size):
-    """[N, k] log-probs of targets [N, k] from _features' output."""
-    n, k = targets.shape
-    flat = features.reshape(n * k, features.shape[-1])
-    if head is not None:
-        return _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size).view(n, k)
-    return _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size).view(n, k)
-
-
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, *,
-                   group_size=1, chunk_size=1024):
-    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C].
-
-    The logits are divided by the sampling temperature, so these are the probabilities generation sampled
-    from. Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
-    group_size=G > 1 says rows come group after group and each group's G rows share one prompt (the first
-    P columns): each prompt then runs through the model once and its KV cache is repeated G times, instead of
-    recomputing it G times; gradients flow back through the cache. Models whose cache cannot be repeated fall
-    back to the plain path. For Llama-style heads no [N, C, V] logits tensor is ever built (chunked lm-head).
-    """
-    n, length = input_ids.shape
-    c = num_completion_tokens
-    if not 0 < c < length:
-        raise ValueError(f"num_completion_tokens must be in [1, {length - 1}] for inputs of length {length}, got {c}")
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"{n} rows cannot be split into groups of {group_size}")
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)     # [N, P + C]
-    targets = input_ids[:, -c:]                                               # [N, C]
-    p = length - c
-    # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run there.
-    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")                                # renamed in transformers 5
-    checkpointing = getattr(model, flag, False) and model.training
-    if group_size > 1 and not checkpointing:
-        # Each prompt once: [B, P]. Its last position predicts every row's first completion token.
-        first, head, cache = _features(model, input_ids[::group_size, :p], attention_mask[::group_size, :p],
-                                       position_ids[::group_size, :p], 1, use_cache=True)
-        if cache is not None and hasattr(cache, "batch_repeat_interleave"):
-            first = _logprobs(first.repeat_interleave(group_size, dim=0), head, targets[:, :1],
-                              temperature, chunk_size)                        # [N, 1]
-            if c == 1:
-                return first
-            cache.batch_repeat_interleave(group_size)                        # [B, ...] -> [B*G, ...]
-            # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and each other.
-            rest, head, _ = _features(model, input_ids[:, p:-1], attention_mask[:, :-1], position_ids[:, p:-1],
-                                      c - 1, use_cache=True, past_key_values=cache)
-            return torch.cat([first, _logprobs(rest, head, targets[:, 1:], temperature, chunk_size)], dim=1)
-    # Plain path: positions P-1 .. P+C-2 predict the C completion tokens.
-    features, head, _ = _features(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids[:, :-1], c)
-    return _logprobs(features, head, targets, temperature, chunk_size)

@@ -1,10 +1,12 @@
-"""Tests: every worked example of the GRPO math, then rewards and data, then the training loop.
+"""Tests: every worked example of the GRPO math, then log-probs and generation, rewards and data, then the loop.
 
 Run: python -m pytest -q
 Nothing here touches the network; models and tokenizers are built in code.
 Tolerances: values computed in fp32 from a handful of exp/log ops agree with the exact decimals to about
 1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals themselves have 6 places).
 """
+import dataclasses
+import functools
 import io
 import json
 import math
@@ -19,13 +21,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; an unknown
 import huggingface_hub  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, get_scheduler  # noqa: E402
 
+import checkpoint  # noqa: E402
+import config  # noqa: E402
 import data  # noqa: E402
-import grpo  # noqa: E402
+import demo  # noqa: E402
+import sampling  # noqa: E402
 import train  # noqa: E402
-from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k, prompt_batches  # noqa: E402
-from grpo import completion_mask, group_advantages, grpo_loss, process_advantages, token_logprobs  # noqa: E402
+from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k  # noqa: E402
+from grpo import completion_mask, group_advantages, grpo_loss, loss_denominator, process_advantages  # noqa: E402
+from sampling import token_logprobs  # noqa: E402
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty  # noqa: E402
 
 TOL = 1e-6  # see the module docstring
@@ -41,10 +47,10 @@ def one_token_objective(ratio, advantage, **kwargs):
     return -loss.item(), -logps.grad.item()
 
 
-# ---------------------------------------------------------------- seed 000: the surrogate, no clipping in play
+# ---------------------------------------------------------------- the surrogate, no clipping in play
 @pytest.mark.parametrize("ratio,advantage,expected", [(1.2, 0.7, 0.84), (1.2, -0.7, -0.84),
                                                        (0.8, 0.7, 0.56), (0.8, -0.7, -0.56)])
-def test_seed_000_unclipped_objective_is_ratio_times_advantage(ratio, advantage, expected):
+def test_unclipped_objective_is_ratio_times_advantage_e_g_1_2_times_0_7_is_0_84(ratio, advantage, expected):
     objective, grad = one_token_objective(ratio, advantage, epsilon=10.0)  # a clip range that never binds
     assert objective == pytest.approx(expected, abs=TOL)
     assert grad == pytest.approx(expected, abs=TOL)  # d(r·A)/dlog π = r·A
@@ -100,13 +106,11 @@ def test_k3_is_never_negative():
     assert (k3 >= 0).all() and stats["kl"] == pytest.approx(k3.sum().item(), rel=1e-9)
 
 
-# ---------------------------------------------------------------- seed 003: step 1, policy = reference
-def tiny_llama(seed=0, vocab=97, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+# ---------------------------------------------------------------- step 1: the policy equals the reference
+def tiny_llama(seed=0):
+    """demo.py's builder, narrower, with grouped-query attention and an untied lm-head."""
+    return demo.tiny_llama(97, seed, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                           tie_word_embeddings=False).eval()
 
 
 def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=5, seed=0):
@@ -124,7 +128,7 @@ def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5])
-def test_seed_003_step_1_policy_equals_reference_loss_is_minus_advantage_kl_is_0(beta):
+def test_step_1_policy_equals_reference_so_loss_is_minus_advantage_2_and_kl_is_0(beta):
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=2, prompt_lengths=(5, 3))
     logps = token_logprobs(model, ids, attention, 5)
@@ -136,8 +140,8 @@ def test_seed_003_step_1_policy_equals_reference_loss_is_minus_advantage_kl_is_0
     assert loss.item() == pytest.approx(-2.0, abs=TOL) and stats["kl"] == 0.0
 
 
-# ---------------------------------------------------------------- seed 002: the curious case of μ = 1
-def test_seed_002_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
+# ---------------------------------------------------------------- μ = 1: the loss is about 0, the gradient is not
+def test_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
     torch.manual_seed(0)
     group, length, beta = 4, 6, 0.04
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
@@ -216,6 +220,15 @@ def test_aggregation_lengths_1_4_3_3_and_micro_batches_sum_to_full_batch(loss_ty
     total.backward()
     assert total.item() == pytest.approx(expected, abs=TOL)
     torch.testing.assert_close(logps.grad, full_grad, rtol=0, atol=1e-7)
+
+
+def test_loss_denominator_lengths_1_4_3_3_is_4_sequences_11_tokens_or_16_for_dr_grpo():
+    _, _, mask = aggregation_batch()
+    assert [loss_denominator(mask, t, max_tokens=4) for t in ("grpo", "dapo", "dr_grpo")] == [4, 11, 16]
+    with pytest.raises(ValueError, match="max_tokens"):
+        loss_denominator(mask, "dr_grpo")
+    with pytest.raises(ValueError, match="loss_type"):
+        loss_denominator(mask, "mean")
 
 
 def test_aggregation_naive_mean_of_micro_batch_losses_is_wrong_0_3_not_3_11():
@@ -304,7 +317,7 @@ def logprobs_and_grad(model, fn):
 def test_token_logprobs_equal_naive_with_left_padding_and_temperature_0_7(group_size, plain_head, monkeypatch):
     # Tolerance: both sides are fp32 and differ only in summation order: ~1e-7, the issue asks 1e-5.
     if not plain_head:
-        monkeypatch.setattr(grpo, "_PLAIN_HEAD_MODEL_TYPES", set())        # force the logits fallback
+        monkeypatch.setattr(sampling, "PLAIN_HEAD_MODEL_TYPES", set())        # force the logits fallback
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
     attention[1, -2:] = 0                                                    # tokens after an EOS
@@ -346,7 +359,7 @@ def test_a_row_with_no_tokens_contributes_0_not_nan():
     assert loss.item() == pytest.approx(-0.5, abs=TOL)                       # (1 + 0) / 2 sequences
 
 
-# ---------------------------------------------------------------- grpo.py: review follow-ups (merged into test_grpo.py)
+# ---------------------------------------------------------------- statistics and GSPO's gradient
 def test_stats_count_clipped_tokens_with_negative_advantage():
     # A = -1: r = 0.7 is below 1 - ε, so the clipped term is the active one; r = 1.5 is not clipped (min picks r·A).
     stats = {}
@@ -406,7 +419,7 @@ def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_hea
     expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
     exp_h, exp_w = torch.autograd.grad((expected * upstream).sum(), [hidden, weight])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = grpo._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)   # 5 chunks, the last one partial
+        got = sampling._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)   # 5 chunks, the last one partial
     got_h, got_w = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
     assert got.dtype == torch.float32 and hidden.grad is None
     torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)   # the same bf16 logits, fp32 after
@@ -548,20 +561,20 @@ def test_build_prompt_without_chat_template_falls_back_to_plain_text():
     assert prompt == "Be brief.\n\nQuestion: What is 2 + 3?\nAnswer:\n"
 
 
-def test_prompt_batches_shuffle_each_epoch_and_cover_every_row_once():
+def test_batches_shuffle_each_epoch_and_cover_every_row_once():
     rows = list(range(10))
-    batches = list(zip(range(6), prompt_batches(rows, batch_size=3, seed=0)))  # 3 batches per epoch
-    epoch0 = [row for step, batch in batches[:3] for row in batch]
-    epoch1 = [row for step, batch in batches[3:] for row in batch]
+    batches = [batch_at(rows, 3, 0, step) for step in range(6)]  # 3 batches per epoch
+    epoch0 = [row for batch in batches[:3] for row in batch]
+    epoch1 = [row for batch in batches[3:] for row in batch]
     assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9  # no repeats within an epoch
     assert epoch0 != epoch1  # a new epoch reshuffles
     assert epoch0 != rows[:9]  # and the order is shuffled at all
 
 
-def test_prompt_batches_resume_from_start_step_matches_the_uninterrupted_run():
+def test_batches_depend_on_seed_and_step_alone_so_a_resumed_run_sees_the_same_ones():
     rows = [{"question": str(i), "answer": str(i)} for i in range(25)]
-    straight = [batch for _, batch in zip(range(12), prompt_batches(rows, 4, seed=7))]
-    resumed = [batch for _, batch in zip(range(7), prompt_batches(rows, 4, seed=7, start_step=5))]
+    straight = [batch_at(rows, 4, 7, step) for step in range(12)]
+    resumed = [batch_at(list(rows), 4, 7, step) for step in range(5, 12)]  # a fresh process, from step 5
     assert resumed == straight[5:]
     assert batch_at(rows, 4, 7, 9) == straight[9]
     assert batch_at(rows, 4, 8, 9) != straight[9]  # another seed, another order
@@ -777,6 +790,16 @@ def varied_reward(completions, answers):
     return [float(len(c) % 5) for c in completions]
 
 
+def run_tiny(out_dir, *extra, reward=varied_reward):
+    """train.py with tiny_argv's flags, on the demo's task with `reward` as its reward function: the task is handed
+    to train(), as your own task would be."""
+    args = config.parse_args(tiny_argv(out_dir, *extra))
+    resume_dir = checkpoint.find(args.output_dir) if args.resume else None
+    task, model, tokenizer = train.setup(args, resume_dir)
+    task = dataclasses.replace(task, rewards=[data.Reward("correctness", reward, 1.0)])
+    return train.train(args, task, model, tokenizer, resume_dir)
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -796,20 +819,29 @@ def write_gsm8k(path, n=6):
 
 def tiny_model_dir(tmp_path):
     """The demo's tiny Llama + tokenizer saved as an ordinary model directory, for the GSM8K code path."""
-    model, tokenizer = train.demo_model_and_tokenizer(seed=0)
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
     path = tmp_path / "tiny-model"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
 
+def tiny_rollouts(completion_mask, group_size=4, prompt_length=3, seed=0):
+    """Rollouts of random ids for the demo's vocabulary: prompts of prompt_length tokens, no padding."""
+    torch.manual_seed(seed)
+    n, c = completion_mask.shape
+    prompts = torch.randint(3, 26, (n // group_size, prompt_length)).repeat_interleave(group_size, dim=0)
+    ids = torch.cat([prompts, torch.randint(3, 26, (n, c))], dim=1)
+    attention = torch.cat([torch.ones(n, prompt_length, dtype=torch.long), completion_mask], dim=1)
+    return sampling.Rollouts(ids, attention, completion_mask, [""] * n, group_size, 1.0)
+
+
 # --- the loop ---------------------------------------------------------------------------------------------------------
 
 
-def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path, monkeypatch):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
-    train.main(tiny_argv(tmp_path / "run"))
-    initial, _ = train.demo_model_and_tokenizer(seed=42)  # the run's seed; no warm-up: the exact starting weights
+def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path):
+    run_tiny(tmp_path / "run")
+    initial, _ = demo.model_and_tokenizer(seed=42)  # the run's seed; no warm-up: the exact starting weights
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")  # the checkpoint loads as a model
     before, after = initial.state_dict(), trained.state_dict()
     assert all(torch.isfinite(t).all() for t in after.values())
@@ -820,21 +852,20 @@ def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path, monkeypatch
 
 
 def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is_not_1(tmp_path, monkeypatch):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
     calls, frozen = [], []
-    real_loss, real_logps = train.grpo.grpo_loss, train.compute_logps
+    real_loss, real_logps = train.grpo.grpo_loss, train.frozen_logps
 
     def spy_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
         calls.append((logps.detach().clone(), None if old_logps is None else old_logps.clone(), mask.bool()))
         return real_loss(logps, old_logps, ref_logps, advantages, mask, **kw)
 
-    def spy_logps(model, batch, args):
+    def spy_logps(model, *a, **kw):
         frozen.append(model.training)
-        return real_logps(model, batch, args)
+        return real_logps(model, *a, **kw)
 
     monkeypatch.setattr(train.grpo, "grpo_loss", spy_loss)
-    monkeypatch.setattr(train, "compute_logps", spy_logps)
-    train.main(tiny_argv(tmp_path / "run", "--num-iterations", "2"))
+    monkeypatch.setattr(train, "frozen_logps", spy_logps)
+    run_tiny(tmp_path / "run", "--num-iterations", "2")
     assert frozen == [False]  # one frozen forward per step: the reference; pi_old needs no pass of its own
     assert len(calls) == 4    # 2 iterations x 2 micro-batches
     for first, second in zip(calls[:2], calls[2:]):
@@ -846,34 +877,33 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
         assert (ratio2 - 1).abs().max() > 1e-3  # after the first update the ratio moved away from 1
 
 
-def test_policy_update_stores_iteration_1_logps_as_old_logps_zero_past_each_micro_batch(tmp_path):
-    args = train.parse_args(tiny_argv(tmp_path, "--num-iterations", "2", "--micro-batch-size", "4", "--beta", "0"))
-    model, _ = train.demo_model_and_tokenizer(seed=0)
-    torch.manual_seed(0)
-    ids = torch.cat([torch.randint(3, 26, (2, 3)).repeat_interleave(4, dim=0), torch.randint(3, 26, (8, 4))], dim=1)
+def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_batch():
+    model, _ = demo.model_and_tokenizer(seed=0)
     completion = torch.tensor([[1, 1, 0, 0]] * 4 + [[1, 1, 1, 1]] * 4)  # micro-batch 1 needs 2 columns, 2 needs 4
-    batch = train.training_batch(ids, torch.ones(2, 3, dtype=torch.long), completion,
-                                 torch.tensor([1.0, -1.0] * 4), 4)
+    rollouts = tiny_rollouts(completion)
+    ids = rollouts.input_ids
     expected = torch.zeros(8, 4)
     with torch.no_grad():
-        expected[:4, :2] = grpo.token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, args.temperature)
-        expected[4:] = grpo.token_logprobs(model, ids[4:], torch.ones(4, 7), 4, args.temperature)
-    optimizer = train.build_optimizer(model, args)
-    scheduler = train.get_scheduler("constant", optimizer)
-    train.policy_update(model, optimizer, scheduler, batch, args)
-    assert torch.allclose(batch["old_logps"], expected, atol=1e-5)
-    assert (batch["old_logps"][:4, 2:] == 0).all() and (batch["old_logps"][:4, :2] < 0).all()
-    stored = batch["old_logps"]
-    train.policy_update(model, optimizer, scheduler, batch, args)
-    assert batch["old_logps"] is stored  # iteration 2 reads it and leaves it as it is
+        expected[:4, :2] = token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, 1.0)
+        expected[4:] = token_logprobs(model, ids[4:], torch.ones(4, 7), 4, 1.0)
+    optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
+    scheduler = get_scheduler("constant", optimizer)
+    update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
+                               torch.tensor([1.0, -1.0] * 4), ref_logps=None, objective=train.Objective(beta=0.0),
+                               micro_batch_size=4)
+    _, old = update(old_logps=None)
+    assert torch.allclose(old, expected, atol=1e-5)
+    assert (old[:4, 2:] == 0).all() and (old[:4, :2] < 0).all()
+    stats, after = update(old_logps=old)  # iteration 2: its ratio is against iteration 1's log-probs
+    assert not torch.allclose(after, old, atol=1e-4) and stats["ratio"] != 1.0
 
 
 def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, monkeypatch):
     made, logps_calls = [], []
-    real_reference, real_logps = train.reference_model, train.compute_logps
-    monkeypatch.setattr(train, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1])
-    monkeypatch.setattr(train, "compute_logps", lambda *a: logps_calls.append(1) or real_logps(*a))
-    train.main(tiny_argv(tmp_path / "run", "--beta", "0"))
+    real_reference, real_logps = checkpoint.reference_model, train.frozen_logps
+    monkeypatch.setattr(checkpoint, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1])
+    monkeypatch.setattr(train, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k))
+    run_tiny(tmp_path / "run", "--beta", "0")
     assert made == [None]    # no reference model object at all
     assert logps_calls == []  # beta = 0 and mu = 1: neither reference nor old log-probs are computed
     assert "kl" in read_metrics(tmp_path / "run")[0]
@@ -881,7 +911,6 @@ def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, mon
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_micro_batch_size_does_not_change_the_gradient(tmp_path, monkeypatch, loss_type):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
     grads, real_clip = [], torch.nn.utils.clip_grad_norm_
 
     def capture_then_clip(params, max_norm):
@@ -891,18 +920,17 @@ def test_micro_batch_size_does_not_change_the_gradient(tmp_path, monkeypatch, lo
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", capture_then_clip)
     base = ["--loss-type", loss_type, "--batch-size", "4", "--gradient-accumulation-steps", "1", "--beta", "0.1"]
-    train.main(tiny_argv(tmp_path / "one", *base))                                # one micro-batch of 16 completions
-    train.main(tiny_argv(tmp_path / "four", *base, "--micro-batch-size", "4"))   # four micro-batches of one group
+    run_tiny(tmp_path / "one", *base)                                # one micro-batch of 16 completions
+    run_tiny(tmp_path / "four", *base, "--micro-batch-size", "4")   # four micro-batches of one group
     one, four = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "four")[0]
     assert one["reward"] == four["reward"]  # same samples
     assert math.isclose(one["loss"], four["loss"], rel_tol=1e-5, abs_tol=1e-7)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-8) for a, b in zip(*grads))  # the normalizer at work
 
 
-def test_gradient_checkpointing_gives_the_same_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
-    train.main(tiny_argv(tmp_path / "plain", "--num-iterations", "2"))
-    train.main(tiny_argv(tmp_path / "checkpointed", "--num-iterations", "2", "--gradient-checkpointing"))
+def test_gradient_checkpointing_gives_the_same_step(tmp_path):
+    run_tiny(tmp_path / "plain", "--num-iterations", "2")
+    run_tiny(tmp_path / "checkpointed", "--num-iterations", "2", "--gradient-checkpointing")
     plain, checkpointed = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "checkpointed")[0]
     for key in ("loss", "kl", "grad_norm"):
         assert math.isclose(plain[key], checkpointed[key], rel_tol=1e-4, abs_tol=1e-7), key
@@ -910,15 +938,14 @@ def test_gradient_checkpointing_gives_the_same_step(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(tmp_path, monkeypatch, checkpointing):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
-    calls, real = [], train.grpo.token_logprobs
+    calls, real = [], sampling.token_logprobs
 
     def spy(model, *a, group_size=1, **kw):
         calls.append((model.training, group_size))
         return real(model, *a, group_size=group_size, **kw)
 
-    monkeypatch.setattr(train.grpo, "token_logprobs", spy)
-    train.main(tiny_argv(tmp_path / "run", *["--gradient-checkpointing"] * checkpointing))
+    monkeypatch.setattr(sampling, "token_logprobs", spy)
+    run_tiny(tmp_path / "run", *["--gradient-checkpointing"] * checkpointing)
     reference = [g for training, g in calls if not training]
     # Checkpointing: the policy's forward runs token_logprobs' plain path (no cache in training), so the reference
     # runs it too (group_size=1); without it both share each prompt's forward across its group (G=4).
@@ -940,31 +967,21 @@ def left_padded_prompts(lengths, vocab_size, seed=1):
     return ids, mask
 
 
-def small_llama(seed=0, vocab_size=97):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=None)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    return model
+def small_llama(seed=0):
+    """demo.py's builder with grouped-query attention, pad id 0 and EOS id 1 in its generation config."""
+    return demo.tiny_llama(97, seed, num_key_value_heads=2, tie_word_embeddings=False).eval()
 
 
-class IdsTokenizer:
-    pad_token_id, eos_token_id = 0, 1
-
-
-def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_padding(tmp_path, monkeypatch):
+def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_padding(monkeypatch):
     model = small_llama()
     ids, mask = left_padded_prompts([5, 1, 8, 3], 97)  # the 1-token prompt's prefill columns are all padding
     # top-k = 1: sampling keeps only the argmax, so generation is greedy and both calls must agree token for token.
-    args = train.parse_args(tiny_argv(tmp_path, "--top-k", "1", "--max-new-tokens", "12", "--num-generations", "3"))
-    prefilled, real_prefill = [], train.prefill_prompts
-    monkeypatch.setattr(train, "prefill_prompts", lambda *a: prefilled.append(a[1].shape) or real_prefill(*a))
-    once = train.generate_completions(model, IdsTokenizer, ids, mask, args)
-    monkeypatch.setattr(train, "prefill_prompts", lambda *a: None)  # the fallback: generate expands the prompts
-    plain = train.generate_completions(model, IdsTokenizer, ids, mask, args)
+    settings = sampling.Sampling(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=12)
+    prefilled, real_prefill = [], sampling.prefill_prompts
+    monkeypatch.setattr(sampling, "prefill_prompts", lambda *a: prefilled.append(a[1].shape) or real_prefill(*a))
+    once = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    monkeypatch.setattr(sampling, "prefill_prompts", lambda *a: None)  # the fallback: generate expands the prompts
+    plain = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert prefilled == [torch.Size([4, 8])]  # the B prompts once, not B*G rows
     assert once.shape == plain.shape == (12, 8 + 12)
     assert torch.equal(once, plain)
@@ -972,9 +989,8 @@ def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_
     assert len({tuple(row) for row in once[:, 8:].tolist()}) > 1  # not a degenerate all-equal output
 
 
-def test_generation_follows_the_flags_not_the_checkpoints_generation_config(tmp_path):
-    args = train.parse_args(tiny_argv(tmp_path, "--temperature", "0.7", "--top-k", "20", "--top-p", "0.8",
-                                      "--max-new-tokens", "10", "--num-generations", "3"))
+def test_generation_follows_the_flags_not_the_checkpoints_generation_config():
+    settings = sampling.Sampling(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=10)
     ids, mask = left_padded_prompts([4, 6], 97)
     clean, polluted = small_llama(), small_llama()
     gc = polluted.generation_config
@@ -992,12 +1008,12 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(tmp_
         mp.setattr(type(polluted), "_get_logits_processor", record)
         for name, model in (("clean", clean), ("polluted", polluted)):
             torch.manual_seed(0)
-            out[name] = train.generate_completions(model, IdsTokenizer, ids, mask, args)
+            out[name] = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert torch.equal(out["clean"], out["polluted"])  # same seed, same samples: the checkpoint's settings unused
     assert polluted.generation_config.repetition_penalty == 2.0  # and left as they were
     assert len(used) == 2
     for processors in used:  # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
-        assert [type(p) for p in processors] == [train.TemperatureTopKTopP]
+        assert [type(p) for p in processors] == [sampling.TemperatureTopKTopP]
         assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (0.7, 20, 0.8)
 
 
@@ -1017,7 +1033,7 @@ def hf_warpers(scores, temperature, top_k, top_p):
 def test_one_processor_equals_hf_temperature_then_top_k_then_top_p_on_random_logits(top_k, top_p):
     scores = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
     scores[0, :10] = float("-inf")  # as after min_new_tokens' EOS ban
-    ours = train.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
+    ours = sampling.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
     assert torch.equal(ours, hf_warpers(scores, 0.7, top_k, top_p))  # same survivors, same logits: same probabilities
 
 
@@ -1030,23 +1046,23 @@ def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
     # result depends on torch.sort's unstable order of equal logits).
     scores = torch.tensor([[5.0, 4.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2, 1)
     scores[1] = scores[1].flip(0)  # the same logits in reverse vocabulary order
-    ours = train.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
+    ours = sampling.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
     assert torch.equal(ours, hf_warpers(scores, 1.0, 3, top_p))
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == survivors
     assert torch.equal(ours[0][survivors], scores[0][survivors])
 
 
-def test_adamw_is_fused_on_cpu(tmp_path):
-    model, _ = train.demo_model_and_tokenizer(seed=0)
-    optimizer = train.build_optimizer(model, train.parse_args(tiny_argv(tmp_path)))
+def test_adamw_is_fused_on_cpu():
+    model, _ = demo.model_and_tokenizer(seed=0)
+    optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     assert optimizer.defaults["fused"] is True
 
 
-def test_bf16_reference_is_cast_before_the_move_and_the_policy_stays_fp32(tmp_path, monkeypatch):
-    model, _ = train.demo_model_and_tokenizer(seed=0)
+def test_bf16_reference_is_cast_before_the_move_and_the_policy_stays_fp32(monkeypatch):
+    model, _ = demo.model_and_tokenizer(seed=0)
     moves, real_to = [], torch.nn.Module.to
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moves.append(a) or real_to(self, *a, **k))
-    ref = train.reference_model(model, train.parse_args(tiny_argv(tmp_path, "--dtype", "bf16", "--device", "cpu")))
+    ref = checkpoint.reference_model(model, 0.04, sampling.AMP["bf16"], "cpu")
     assert moves == [(torch.bfloat16,), ("cpu",)]  # dtype first: no fp32 copy on the device
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32} and not ref.training
@@ -1054,12 +1070,11 @@ def test_bf16_reference_is_cast_before_the_move_and_the_policy_stays_fp32(tmp_pa
 
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
 def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, monkeypatch, how):
-    monkeypatch.setattr(train.rewards, "correctness_reward", varied_reward)
     argv = ["--steps", "4", "--num-iterations", "2", "--eval-every", "2", "--eval-limit", "4", "--eval-samples", "2"]
-    train.main(tiny_argv(tmp_path / "straight", *argv))
+    run_tiny(tmp_path / "straight", *argv)
 
     # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
-    real_score, scored = train.score_completions, []
+    real_score, scored = train.score, []
 
     def interrupt_at_step_3(*a):
         scored.append(1)
@@ -1067,48 +1082,71 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
             raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash")
         return real_score(*a)
 
-    monkeypatch.setattr(train, "score_completions", interrupt_at_step_3)
-    interrupted = tiny_argv(tmp_path / "resumed", *argv, "--save-every", "2" if how == "crash" else "0")
+    monkeypatch.setattr(train, "score", interrupt_at_step_3)
+    interrupted = [*argv, "--save-every", "2" if how == "crash" else "0"]
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
-        train.main(interrupted)
-    assert train.load_checkpoint(train.find_checkpoint(str(tmp_path / "resumed")))["step"] == 2
-    monkeypatch.setattr(train, "score_completions", real_score)
-    train.main(interrupted + ["--resume"])
+        run_tiny(tmp_path / "resumed", *interrupted)
+    assert checkpoint.load_state(checkpoint.find(str(tmp_path / "resumed")))["step"] == 2
+    monkeypatch.setattr(train, "score", real_score)
+    run_tiny(tmp_path / "resumed", *interrupted, "--resume")
 
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in straight] == [0, 1, 2, 2, 3, 4, 4]  # eval rows at 0, 2, 4 and the four steps
     assert without_time(resumed) == without_time(straight)  # exact: losses, rewards, KL, grad norms, evals
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "crash"])
+@pytest.mark.parametrize("at_step", [2, 4], ids=["periodic-eval", "final-eval"])
+def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_evaluation(tmp_path, monkeypatch,
+                                                                                             how, at_step):
+    argv = ["--steps", "4", "--eval-every", "2", "--eval-limit", "4", "--eval-samples", "2"]
+    run_tiny(tmp_path / "straight", *argv)
+    real_evaluate, evaluated = train.evaluate, []
+
+    def cut_short(*a, **kw):
+        evaluated.append(1)
+        if len(evaluated) == 1 + at_step // 2:  # evaluations at steps 0, 2, 4
+            raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash in the evaluation")
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(train, "evaluate", cut_short)
+    with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
+        run_tiny(tmp_path / "cut", *argv)  # --save-every 0: the only checkpoints are the ones before evaluations
+    assert checkpoint.load_state(checkpoint.find(str(tmp_path / "cut")))["step"] == at_step
+    monkeypatch.setattr(train, "evaluate", real_evaluate)
+    evals = run_tiny(tmp_path / "cut", *argv, "--resume")
+    assert [step for step, _ in evals] == [0, 2, 4]
+    assert without_time(read_metrics(tmp_path / "cut")) == without_time(read_metrics(tmp_path / "straight"))
+
+
 def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the_old_one(tmp_path):
-    model, tokenizer = train.demo_model_and_tokenizer(seed=0)
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
     out = str(tmp_path)
-    train.save_checkpoint(out, model, tokenizer, {"step": 1})
-    train.save_checkpoint(out, model, tokenizer, {"step": 2})
+    checkpoint.save(out, model, tokenizer, {"step": 1})
+    checkpoint.save(out, model, tokenizer, {"step": 2})
     assert sorted(os.listdir(out)) == ["checkpoint"]  # no .tmp or .old left behind
-    assert train.load_checkpoint(train.find_checkpoint(out))["step"] == 2
+    assert checkpoint.load_state(checkpoint.find(out))["step"] == 2
     os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))  # as if killed mid-swap
-    assert train.find_checkpoint(out).endswith("checkpoint.old")
+    assert checkpoint.find(out).endswith("checkpoint.old")
 
 
 @pytest.mark.parametrize("case", ["eos_first", "no_eos", "all_groups_zero_std"])
 def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case):
-    real_generate = train.generate_completions
+    real_generate = sampling.generate
 
-    def degenerate(model, tokenizer, prompt_ids, prompt_mask, args, **kw):
-        out = real_generate(model, tokenizer, prompt_ids, prompt_mask, args, **kw)
+    def degenerate(model, prompt_ids, prompt_mask, settings, *a, **kw):
+        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)
         P = prompt_ids.shape[1]
         if case == "eos_first":  # every completion is just EOS (then padding)
-            out[:, P] = tokenizer.eos_token_id
-            out[:, P + 1:] = tokenizer.pad_token_id
+            out[:, P] = demo.EOS
+            out[:, P + 1:] = demo.PAD
         elif case == "no_eos":   # every completion runs to the token budget without EOS
-            out = torch.cat([out[:, :P], torch.full((out.shape[0], args.max_new_tokens), 10)], dim=1)
+            out = torch.cat([out[:, :P], torch.full((out.shape[0], settings.max_new_tokens), 10)], dim=1)
         return out
 
-    monkeypatch.setattr(train, "generate_completions", degenerate)
-    monkeypatch.setattr(train.rewards, "correctness_reward",
-                        (lambda c, a: [1.0] * len(c)) if case == "all_groups_zero_std" else varied_reward)
-    train.main(tiny_argv(tmp_path / "run", "--steps", "2", "--num-iterations", "2"))
+    monkeypatch.setattr(sampling, "generate", degenerate)
+    reward = (lambda c, a: [1.0] * len(c)) if case == "all_groups_zero_std" else varied_reward
+    run_tiny(tmp_path / "run", "--steps", "2", "--num-iterations", "2", reward=reward)
     rows = read_metrics(tmp_path / "run")
     assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "kl", "grad_norm", "reward_std"))
     if case == "all_groups_zero_std":
@@ -1158,13 +1196,13 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     ("SmolLM2-7B", "SmolLM2-7B"),  # not a SmolLM2 size: left alone (and then fails to load with a clear error)
 ])
 def test_short_names_resolve_to_huggingfacetb_and_hub_ids_pass_through(name, resolved):
-    assert train.resolve_model_name(name) == resolved
+    assert checkpoint.resolve_model_name(name) == resolved
 
 
 def test_an_existing_local_directory_wins_over_the_short_name(tmp_path, monkeypatch):
     (tmp_path / "SmolLM2-135M").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert train.resolve_model_name("SmolLM2-135M") == "SmolLM2-135M"
+    assert checkpoint.resolve_model_name("SmolLM2-135M") == "SmolLM2-135M"
 
 
 def bad_input_cases(tmp_path):
@@ -1198,10 +1236,10 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
 
 
 def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(monkeypatch, capsys):
-    def oom(args):
+    def oom(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(train, "train", oom)
+    monkeypatch.setattr(train, "setup", oom)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--demo"])
     err = capsys.readouterr().err

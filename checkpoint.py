@@ -1,0 +1,208 @@
+"""The state of a run and its checkpoints: the policy and the reference (Algorithm 1's lines 1 and 3), AdamW and its
+schedule, all set up fresh or resumed from a checkpoint; models loaded by name or directory.
+
+OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
+training_state.pt: optimizer, scheduler, step and RNG states, and the flags. It is written into checkpoint.tmp and
+renamed into place. A run's data position needs no saving: the batch of step s is a pure function of the seed and s
+(data.batch_at); its evaluations are read back from metrics.jsonl.
+"""
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+import sampling
+from config import UserError
+
+SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECASE)
+
+
+def resolve_model_name(name):
+    """--model as typed -> what from_pretrained gets: a local directory as is; a SmolLM2 short name
+    ("SmolLM2-1.7B-Instruct", any case) -> "HuggingFaceTB/SmolLM2-1.7B-Instruct"; anything else (a hub id) as is."""
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    match = SMOLLM2_SHORT.fullmatch(name.strip())
+    if match:
+        return f"HuggingFaceTB/SmolLM2-{match.group(1).upper()}" + ("-Instruct" if match.group(2) else "")
+    return name
+
+
+def load_model(name, trust_remote_code=False):
+    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried."""
+    resolved = resolve_model_name(name)
+    local = os.path.abspath(os.path.expanduser(name))
+    try:
+        kw = dict(trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch.float32, **kw)
+    except Exception as e:  # OSError (missing / offline), ValueError (unknown architecture), HFValidationError, ...
+        reason = " ".join(str(e).split())[:400]
+        hub = "" if os.path.isdir(local) else f"; the Hugging Face hub id {resolved!r} ({reason})"
+        raise UserError(
+            f"could not load model {name!r}. Tried: the local directory {local} "
+            f"({'exists, but loading failed: ' + reason if os.path.isdir(local) else 'not found'}){hub}. "
+            "Pass a local directory holding config.json and the weights, a full hub id such as "
+            "HuggingFaceTB/SmolLM2-1.7B-Instruct, or a SmolLM2 short name (SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, "
+            "each with or without -Instruct). On a machine without network, download the model elsewhere and pass its "
+            "directory; models with custom code also need --trust-remote-code.") from None
+    return model, sampling.prepare_tokenizer(tokenizer)
+
+
+@dataclass
+class Run:
+    """What the loop carries from step to step. A checkpoint saves the policy, tokenizer, optimizer, scheduler and
+    scaler; the evaluations live in metrics.jsonl."""
+    model: torch.nn.Module             # π_θ, fp32, on the device
+    ref_model: torch.nn.Module | None  # π_ref, frozen (None when β = 0)
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object                     # fp16's GradScaler, else None
+    start_step: int
+    log_path: str                      # OUTPUT_DIR/metrics.jsonl
+    evals: list                        # [(step, {reward name: mean})]
+
+
+def start(args, model, tokenizer, resume_dir=None):
+    """Lines 1 and 3: π_θ on the device (π_θinit, or on --resume the checkpoint's weights) and π_ref = π_θinit; then
+    AdamW, its LR schedule and a resumed run's optimizer, scheduler, RNG and log."""
+    ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None)
+    if resume_dir is not None and model.name_or_path != resume_dir:  # the policy continues from the checkpoint
+        model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,
+                                                     trust_remote_code=args.trust_remote_code)
+    model.to(args.device)
+    if args.gradient_checkpointing:
+        sampling.enable_gradient_checkpointing(model)
+    model.train()
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.steps * args.num_iterations)
+    # fp16 autocast needs loss scaling; bf16 and fp32 do not.
+    scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
+    step = 0
+    if resume_dir is not None:
+        state = load_state(resume_dir)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        step = state["step"]
+        print(f"resumed from {resume_dir} at step {step}")
+    log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
+    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
+          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x "
+          f"G={args.num_generations}, mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
+    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals)
+
+
+def reference_model(model, beta, dtype, device, copy_model=True):
+    """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL term, no reference
+    model at all). copy_model=False freezes `model` itself (on --resume the policy is loaded from the checkpoint).
+    Stored in the autocast dtype, if any: it is never trained. Cast before the move: no fp32 copy on the device."""
+    if beta == 0:
+        return None
+    ref = copy.deepcopy(model) if copy_model else model
+    ref.requires_grad_(False).eval()
+    if dtype is not None:
+        ref.to(dtype)
+    return ref.to(device)
+
+
+def build_optimizer(model, lr, weight_decay):
+    """AdamW on the fp32 parameters, fused (one kernel over all parameters) where torch has it: CUDA, and CPU."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def save_run(run, args, step, rng):
+    state = dict(step=step, optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
+                 scaler=run.scaler.state_dict() if run.scaler is not None else None, rng=rng, args=vars(args))
+    path = save(args.output_dir, run.model, run.tokenizer, state)
+    print(f"saved {path} (step {step})", flush=True)
+
+
+def save_interrupted(run, args, step, updated, rng_at_start):
+    """Ctrl-C inside `step`. Before its first update, the weights and optimizer are those of the end of the last
+    step: save them with the RNG as it was then, so --resume redoes this step exactly. After an update, count the
+    step as done (its remaining μ updates are skipped) and --resume samples the next step's batch."""
+    done = step + 1 if updated else step
+    print(f"\ninterrupted: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
+    save_run(run, args, done, rng_state() if updated else rng_at_start)
+
+
+def open_log(output_dir, resumed_at=None):
+    """OUTPUT_DIR/metrics.jsonl for this run and the evaluations logged in it. A resumed run keeps the lines up to its
+    checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "metrics.jsonl")
+    kept = []
+    if resumed_at is not None and os.path.isfile(path):
+        with open(path) as f:
+            kept = [json.loads(line) for line in f if line.strip()]
+        kept = [row for row in kept if row["step"] <= resumed_at]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+    evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
+             for row in kept if any(k.startswith("eval/") for k in row)]
+    return path, evals
+
+
+def rng_state():
+    state = dict(python=random.getstate(), torch=torch.get_rng_state(),
+                 numpy={k: v.tolist() if isinstance(v, np.ndarray) else v
+                        for k, v in zip(("kind", "keys", "pos", "has_gauss", "cached"), np.random.get_state())})
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(output_dir, model, tokenizer, training_state):
+    """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, then swap it in with renames, so a crash at any
+    moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old)."""
+    final = os.path.join(output_dir, "checkpoint")
+    tmp, old = final + ".tmp", final + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(training_state, os.path.join(tmp, "training_state.pt"))
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find(output_dir):
+    """OUTPUT_DIR/checkpoint, or checkpoint.old when a crash hit between save's two renames."""
+    for name in ("checkpoint", "checkpoint.old"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(os.path.join(path, "training_state.pt")):
+            return path
+    return None
+
+
+def load_state(path):
+    """training_state.pt of a checkpoint directory (the weights are loaded with from_pretrained)."""
+    return torch.load(os.path.join(path, "training_state.pt"), weights_only=True)  # tensors and plain data only

@@ -1,0 +1,101 @@
+"""The offline demo, and the tiny models built in code that the demo, the tests and bench.py share.
+
+    python train.py --demo        # a 2-layer Llama learns single-digit addition from the reward alone, on CPU
+
+The task: "3 + 4 =" -> "<answer> 7 </answer>", all 100 problems, scored by rewards.correctness_reward (the function
+the GSM8K run uses). The demo trains and measures on the same 100 problems: it shows the reward rising, not
+generalization. A short supervised warm-up first brings the model to about --demo-target-accuracy, so GRPO starts
+from a weak but non-zero skill, as it does from a pretrained model; everything above that is GRPO's.
+"""
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import data
+import rewards
+import sampling
+
+WORDS = ["<pad>", "<eos>", "<unk>", "+", "=", "<answer>", "</answer>"] + [str(n) for n in range(19)]
+PAD, EOS = 0, 1  # the ids of "<pad>" and "<eos>" in every tokenizer built here
+
+
+def tiny_llama(vocab_size, seed=0, *, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, **config):
+    """A randomly initialized fp32 Llama, the same weights for the same seed and shape; pad id 0, EOS id 1."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, **{"max_position_embeddings": 8192, **config}))
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
+    return model.float()
+
+
+def word_tokenizer(words, unk_token="<unk>"):
+    """A whitespace-split word-level tokenizer over `words` (ids in list order; words[0] pads, words[1] ends),
+    left-padded: a text of n known words is exactly n tokens."""
+    word_level = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=unk_token))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=words[PAD], eos_token=words[EOS],
+                                        unk_token=unk_token)
+    return sampling.prepare_tokenizer(tokenizer)
+
+
+def model_and_tokenizer(seed):
+    """The demo's policy before its warm-up: a 2-layer Llama of hidden size 64 over the demo's 26 words."""
+    return tiny_llama(len(WORDS), seed, max_position_embeddings=512), word_tokenizer(WORDS)
+
+
+def setup(seed, warmup_steps, target_accuracy, reward_weights=(1.0,)):
+    """The demo's model (warmed up), tokenizer and task. One thread: a model this small gains nothing from
+    intra-op parallelism, and spinning OpenMP threads slow it down many times over on a shared machine."""
+    torch.set_num_threads(1)
+    model, tokenizer = model_and_tokenizer(seed)
+    problems = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    steps = warmup(model, tokenizer, problems, seed, warmup_steps, target_accuracy)
+    print(f"demo: a {sum(p.numel() for p in model.parameters()):,}-parameter Llama; supervised warm-up stopped after "
+          f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}", flush=True)
+    task = data.Task(train=problems, eval=problems, prompt=lambda tokenizer, question: question,
+                     rewards=data.weighted([("correctness", rewards.correctness_reward)], reward_weights))
+    return model, tokenizer, task
+
+
+def examples(tokenizer, problems):
+    """Token ids [100, 7] of the right completions "a + b = <answer> a+b </answer> <eos>" (3 prompt + 4 completion
+    tokens, no padding) and labels with the prompt masked out (-100)."""
+    texts = [f"{p['question']} <answer> {p['answer']} </answer> <eos>" for p in problems]
+    ids = tokenizer(texts, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return ids, labels
+
+
+def warmup(model, tokenizer, problems, seed, max_steps, target_accuracy, batch_size=64, lr=3e-3):
+    """Supervised steps on the right completions until the model would answer right target_accuracy of the time
+    (checked every 5 steps; at most max_steps). Returns the number of steps taken."""
+    ids, labels = examples(tokenizer, problems)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(max_steps):
+        if step % 5 == 0 and accuracy(model, tokenizer, problems) >= target_accuracy:
+            return step
+        model.train()
+        idx = torch.randint(len(problems), (batch_size,), generator=gen)
+        loss = model(input_ids=ids[idx], labels=labels[idx]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return max_steps
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, problems):
+    """The exact expected correctness of sampling at T=1 (no top-k/top-p): the mean over problems of the probability
+    of writing the right completion, teacher-forced in one forward pass."""
+    ids, _ = examples(tokenizer, problems)
+    was_training = model.training
+    model.eval()
+    logps = torch.log_softmax(model(input_ids=ids).logits[:, 2:-1].float(), -1)  # positions 2..5 predict tokens 3..6
+    model.train(was_training)
+    return logps.gather(-1, ids[:, 3:, None]).sum((1, 2)).exp().mean().item()

@@ -1,0 +1,362 @@
+"""Generation and log-probs of a transformers causal LM: everything that touches the model's internals.
+
+grpo.py is the math and never sees a model; this file turns a model into what the math takes:
+  sample_rollouts   B prompts -> B*G completions, in one batched generate call, from the flags' settings only
+  token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
+"""
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+import grpo
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: temperature, then top-k (0: off), then top-p (1.0: off), as transformers orders
+    them, for at most max_new_tokens tokens."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class Rollouts:
+    """One batch of samples: B prompts x G completions, group after group (row b*G + j is prompt b's j-th)."""
+    input_ids: torch.Tensor        # [B*G, P+C] left-padded prompt, then the completion as generated
+    attention_mask: torch.Tensor   # [B*G, P+C] the prompt's padding mask, then completion_mask
+    completion_mask: torch.Tensor  # [B*G, C] 1 up to and including the first EOS, 0 after
+    texts: list                    # B*G completions decoded up to EOS, special tokens dropped
+    group_size: int                # G
+    temperature: float             # what they were sampled at: their log-probs are taken at it too
+
+    @property
+    def prompt_length(self):
+        return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+
+AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the autocast compute dtype
+
+
+def autocast(device, dtype):
+    """Compute in dtype (bf16/fp16) under autocast while parameters stay fp32; dtype None: full precision."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def prepare_tokenizer(tokenizer):
+    """Left padding, so every prompt of a batch ends at the column where generation starts; a pad token (EOS if the
+    tokenizer has none: the completion mask comes from the EOS ids, never from the pad id)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def eos_token_ids(model, tokenizer):
+    """The ids generation stops at: the generation config's EOS (an int or a list), else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def enable_gradient_checkpointing(model):
+    """Recompute activations in backward (use_reentrant=False, torch's recommended variant). Only training-mode
+    forwards recompute; generation and the no-grad log-prob passes keep their KV cache."""
+    enable = getattr(model, "activation_checkpointing_enable", None)         # transformers 5 renamed the method
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_checkpointing(model):
+    """Whether a forward of this model recomputes activations in backward (and so runs without a KV cache)."""
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, flag, False)) and model.training
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling.
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Each prompt tokenized once, left-padded: ids and mask [B, P]. (Chat templates already hold any BOS.)"""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+class TemperatureTopKTopP(LogitsProcessor):
+    """Temperature, then top-k, then top-p over the k survivors only: the distribution of transformers'
+    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper in that order, without sorting the whole
+    vocabulary at every token. The temperature is applied here because generate() runs a user's processors before
+    its own warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits / temperature,
+    every other token gets -inf."""
+
+    def __init__(self, temperature, top_k, top_p):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        scores = scores / self.temperature                                        # as TemperatureLogitsWarper
+        V = scores.shape[-1]
+        k = min(self.top_k, V) if self.top_k > 0 else V
+        values, indices = scores.topk(k, dim=-1)                                  # [n, k], descending
+        kth = values[:, -1:]
+        tied = int((scores >= kth).sum(-1).max())  # HF keeps every token tied with the k-th logit: widen to them
+        if tied > k:
+            values, indices = scores.topk(tied, dim=-1)
+            values = values.masked_fill(values < kth, float("-inf"))
+        if self.top_p < 1.0:
+            # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose cumulative
+            # probability stays <= 1 - top_p, always keep the most likely one.
+            values, indices = values.flip(-1), indices.flip(-1)                   # ascending
+            cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= (1 - self.top_p)
+            remove[..., -1:] = False
+            values = values.masked_fill(remove, float("-inf"))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, indices, values)
+
+
+def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_tokens=0):
+    """An explicit GenerationConfig: everything that could change the sampled distribution is stated, so the
+    log-probs score exactly the distribution tokens were drawn from. Temperature, top-k and top-p are off here
+    (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
+    return GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=settings.max_new_tokens,
+        min_new_tokens=min_new_tokens or None, eos_token_id=eos_ids, pad_token_id=pad_id,
+        num_return_sequences=num_return_sequences, num_beams=1, use_cache=True,
+        repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+
+
+@contextlib.contextmanager
+def flags_only(model):
+    """generate() fills every unset field of the GenerationConfig it is given from model.generation_config
+    (suppress_tokens, bad_words_ids, min_p, ...). Set the checkpoint's aside for the call, so the library defaults
+    are all it can fall back on."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def prefill_prompts(model, prompt_ids, prompt_mask, group_size):
+    """The KV cache of every prompt but its last token, computed once per prompt ([B, P-1]) and repeated G times
+    (rows group after group), or None where that cannot be done (P == 1, or a cache without
+    batch_repeat_interleave). generate() would otherwise expand the prompts to [B*G, P] and prefill each G times."""
+    if prompt_ids.shape[1] < 2:
+        return None
+    ids, attn = prompt_ids[:, :-1], prompt_mask[:, :-1]
+    position_ids = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 1)  # as generate() computes them
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    cache = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
+                  **keep).past_key_values                                       # no [B, P-1, V] logits
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(group_size)                                  # [B, ...] -> [B*G, ...]
+    return cache
+
+
+def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, amp=None, min_new_tokens=0):
+    """G samples per prompt in one batched generate call: sequences [B*G, P+C], group after group. Each prompt is
+    prefilled once (prefill_prompts); generate then feeds only the last prompt token of each row before decoding."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast(prompt_ids.device, amp), flags_only(model):
+        cache = prefill_prompts(model, prompt_ids, prompt_mask, group_size)
+        config = generation_config(settings, eos_ids, pad_id, 1 if cache is not None else group_size, min_new_tokens)
+        processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)])
+        if cache is not None:
+            out = model.generate(input_ids=prompt_ids.repeat_interleave(group_size, dim=0),
+                                 attention_mask=prompt_mask.repeat_interleave(group_size, dim=0),
+                                 past_key_values=cache, generation_config=config, logits_processor=processors)
+        else:  # num_return_sequences=G repeats each prompt G times in place: the same layout
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                 logits_processor=processors)
+    model.train(was_training)
+    return out
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    """Texts for the reward functions: each completion up to its EOS, special tokens dropped."""
+    lengths = mask.sum(1).tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)],
+                                  skip_special_tokens=True)
+
+
+def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, min_new_tokens=0):
+    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device."""
+    device = next(model.parameters()).device
+    eos = eos_token_ids(model, tokenizer)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)              # [B, P]
+    sequences = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id, amp,
+                         min_new_tokens)                                                 # [B*G, P+C]
+    completion_ids = sequences[:, prompt_ids.shape[1]:]                                  # [B*G, C]
+    mask = grpo.completion_mask(completion_ids, eos)                                     # never from the pad id
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)
+    return Rollouts(sequences, attention_mask, mask, decode_completions(tokenizer, completion_ids, mask),
+                    group_size, settings.temperature)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Log-probs: log π(o_t | q, o_<t) of the sampled tokens, without [N, C, V] logits for Llama-style heads.
+
+
+def _chosen_logprobs(logits, targets, temperature, chunk_size):
+    """log softmax(logits / temperature)[target] for logits [M, V], targets [M], chunk_size rows at a time.
+
+    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
+    fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
+    """
+    def chunk_logprobs(chunk, chunk_targets):
+        chunk = chunk.float() / temperature                                  # [chunk, V]
+        return chunk.gather(-1, chunk_targets[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
+
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    out = []
+    for s in range(0, logits.shape[0], chunk_size):
+        args = (logits[s:s + chunk_size], targets[s:s + chunk_size])
+        out.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute
+                   else chunk_logprobs(*args))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W [V, H],
+    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist.
+    Under autocast the matmuls run in the autocast dtype, as the model's own lm-head would, in forward and in
+    backward alike, so backward recomputes exactly the logits forward saw."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        lse = torch.empty_like(out)
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            for s in range(0, h.shape[0], chunk_size):
+                logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
+                lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
+                out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
+        # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
+        # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
+        last = logits if h.shape[0] else None
+        ctx.save_for_backward(hidden, weight, targets, lse, last)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        return out - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse, last = ctx.saved_tensors
+        size, device = ctx.chunk_size, hidden.device.type
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+            starts = list(range(0, h.shape[0], size))
+            for s in reversed(starts):
+                logits = last if s == starts[-1] else (h[s:s + size] @ w.T).float() / ctx.temperature
+                # d logp / d logits = onehot(target) - softmax, times the incoming gradient and 1/temperature
+                grad_logits = -torch.exp(logits - lse[s:s + size, None])
+                grad_logits.scatter_add_(-1, targets[s:s + size, None], torch.ones_like(grad_logits[:, :1]))
+                grad_logits = (grad_logits * (grad_out[s:s + size, None] / ctx.temperature)).to(ctx.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[s:s + size] = grad_logits @ w
+                if grad_weight is not None:
+                    grad_weight += (grad_logits.T @ h[s:s + size]).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping, no logit scaling, no bias.
+PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _plain_linear_head(model):
+    """The lm-head Linear when the model's logits are exactly hidden @ Wᵀ, else None (use the logits path)."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    if (getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not isinstance(head, torch.nn.Linear)
+            or head.bias is not None or getattr(model, "model", None) is None):
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    return head
+
+
+def _features(model, input_ids, attention_mask, position_ids, num_positions, use_cache=False, past_key_values=None):
+    """Run the model; return (features of the last num_positions positions, plain lm-head or None, cache).
+
+    For plain-head models the features are final hidden states [N, k, H] (the head is applied chunk by chunk
+    later); otherwise they are logits [N, k, V], asked for with logits_to_keep so no more are computed.
+    """
+    head = _plain_linear_head(model)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  past_key_values=past_key_values, use_cache=use_cache)
+    if head is not None:
+        out = model.model(**kwargs)
+        features = out.last_hidden_state[:, out.last_hidden_state.shape[1] - num_positions:]
+    else:
+        out = model(**kwargs, logits_to_keep=num_positions)
+        features = out.logits[:, out.logits.shape[1] - num_positions:]
+    return features, head, getattr(out, "past_key_values", None)
+
+
+def _logprobs(features, head, targets, temperature, chunk_size):
+    """[N, k] log-probs of targets [N, k] from _features' output."""
+    n, k = targets.shape
+    flat = features.reshape(n * k, features.shape[-1])
+    if head is not None:
+        return _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size).view(n, k)
+    return _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size).view(n, k)
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, *,
+                   group_size=1, chunk_size=1024):
+    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C].
+
+    The logits are divided by the sampling temperature, so these are the probabilities generation sampled
+    from. Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
+    group_size=G > 1 says rows come group after group and each group's G rows share one prompt (the first
+    P columns): each prompt then runs through the model once and its KV cache is repeated G times, instead of
+    recomputing it G times; gradients flow back through the cache. Models whose cache cannot be repeated fall
+    back to the plain path. For Llama-style heads no [N, C, V] logits tensor is ever built (chunked lm-head).
+    """
+    n, length = input_ids.shape
+    c = num_completion_tokens
+    if not 0 < c < length:
+        raise ValueError(f"num_completion_tokens must be in [1, {length - 1}] for inputs of length {length}, got {c}")
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} rows cannot be split into groups of {group_size}")
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)     # [N, P + C]
+    targets = input_ids[:, -c:]                                               # [N, C]
+    p = length - c
+    # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run there.
+    if group_size > 1 and not is_checkpointing(model):
+        # Each prompt once: [B, P]. Its last position predicts every row's first completion token.
+        first, head, cache = _features(model, input_ids[::group_size, :p], attention_mask[::group_size, :p],
+                                       position_ids[::group_size, :p], 1, use_cache=True)
+        if cache is not None and hasattr(cache, "batch_repeat_interleave"):
+            first = _logprobs(first.repeat_interleave(group_size, dim=0), head, targets[:, :1],
+                              temperature, chunk_size)                        # [N, 1]
+            if c == 1:
+                return first
+            cache.batch_repeat_interleave(group_size)                        # [B, ...] -> [B*G, ...]
+            # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and each other.
+            rest, head, _ = _features(model, input_ids[:, p:-1], attention_mask[:, :-1], position_ids[:, p:-1],
+                                      c - 1, use_cache=True, past_key_values=cache)
+            return torch.cat([first, _logprobs(rest, head, targets[:, 1:], temperature, chunk_size)], dim=1)
+    # Plain path: positions P-1 .. P+C-2 predict the C completion tokens.
+    features, head, _ = _features(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids[:, :-1], c)
+    return _logprobs(features, head, targets, temperature, chunk_size)
