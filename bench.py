@@ -185,7 +185,8 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     objective = train.Objective(beta=a.beta, max_tokens=a.max_new_tokens)  # ε 0.2, loss grpo: train.py's defaults
     with phase(record, "generate"):  # 7: G samples per prompt, one generate call, fixed length
-        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp, min_new_tokens=a.max_new_tokens)
+        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp,
+                                            min_new_tokens=a.max_new_tokens)
     with phase(record, "rewards"):   # 8 and 9: rewards and group-relative advantages
         reward, _ = train.score(rollouts.texts, answers, task_rewards)
         advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)

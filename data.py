@@ -115,7 +115,7 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
     return rows
 
 
-# Our wording of the template of Pramodith's GRPO trainer blog: the task, the two tags, then one worked example in that format.
+# Our wording of the template in Pramodith's GRPO trainer blog: the task, the two tags, then one worked example.
 SYSTEM_PROMPT = """You are a helpful assistant who solves math word problems.
 Think through the problem step by step inside <think> </think> tags.
 Then give only the final number inside <answer> </answer> tags.

@@ -29,10 +29,13 @@ import rewards
 import sampling
 from config import UserError
 
+
 def train(args, task, model, tokenizer, resume_dir=None):
     """Algorithm 1 with one outer iteration: the rewards are fixed functions, so line 12 (train the reward model)
-    has nothing to do and line 3's reference stays the initial policy. Returns the evaluations [(step, {name: mean})]."""
-    run = checkpoint.start(args, model, tokenizer, resume_dir)  # 1: π_θ ← π_θinit (or --resume's weights); 3: π_ref ← π_θinit
+    has nothing to do and line 3's reference stays the initial policy. Returns the evaluations [(step, {name: mean})].
+    """
+    # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
+    run = checkpoint.start(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
     settings = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
