@@ -105,7 +105,8 @@ def add_run_flags(p):
     g.add_argument("--output-dir", default=None,
                    help="metrics.jsonl and checkpoint/ go here; if not given, runs/<model name>-seed<seed>")
     g.add_argument("--save-every", type=int, default=50,
-                   help="checkpoint every N steps (and always at the end); 0: at the end only")
+                   help="checkpoint every N steps, and always at the end and before every evaluation (so an "
+                        "evaluation that crashes loses no training); 0: only those")
     g.add_argument("--sample-every", type=int, default=10, help="print one sampled completion every N steps; 0: never")
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     g.add_argument("--seed", type=int, default=42, help="seeds torch, numpy, random and the data order")

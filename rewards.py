@@ -5,14 +5,13 @@ The reward-function contract: a reward function is any callable
     reward(completions: list[str], answers: list[str]) -> list[float]
 
 with one float per completion. `completions` are the generated texts only (no prompt); `answers`
-are the reference numbers from data.load_gsm8k, in the same order. train.py combines a list of
-such functions with weights (total = sum of weight * reward) and logs each one separately under
-its name (see REWARD_FUNCS). A function that needs no reference, like format_reward, still takes
-`answers` and ignores it.
+are the reference numbers from data.load_gsm8k, in the same order. A task (data.Task) lists such
+functions with weights; train.py adds them up (total = sum of weight * reward) and logs each one
+separately under its name (see REWARD_FUNCS). A function that needs no reference, like
+format_reward, still takes `answers` and ignores it.
 
-overlong_penalty does not fit the contract: it scores token lengths, not texts. train.py calls it
-itself with the completion lengths from its completion mask and adds the result like any other
-reward (or wraps it: `lambda completions, answers: overlong_penalty(lengths, max_new, cache)`).
+overlong_penalty does not fit the contract: it scores token lengths, not texts, and train.py does
+not apply it. It is here for a reward that knows the lengths (the completion mask's row sums).
 
 Robustness: every function here returns a float for any string (empty, 100,000 characters,
 unicode, NUL bytes, unbalanced or nested tags, 100,000 digits) and never raises on model output.

@@ -51,8 +51,8 @@ def autocast(device, dtype):
 
 
 def prepare_tokenizer(tokenizer):
-    """Left padding, so every prompt of a batch ends at the column where generation starts; a pad token (EOS if the
-    tokenizer has none: the completion mask comes from the EOS ids, never from the pad id)."""
+    """Left padding, so every prompt of a batch ends at the column where generation starts, and a pad token (EOS if
+    the tokenizer has none)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -126,8 +126,7 @@ class TemperatureTopKTopP(LogitsProcessor):
 
 
 def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_tokens=0):
-    """An explicit GenerationConfig: everything that could change the sampled distribution is stated, so the
-    log-probs score exactly the distribution tokens were drawn from. Temperature, top-k and top-p are off here
+    """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
     (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
     return GenerationConfig(
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=settings.max_new_tokens,
@@ -201,7 +200,7 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, m
     sequences = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id, amp,
                          min_new_tokens)                                                 # [B*G, P+C]
     completion_ids = sequences[:, prompt_ids.shape[1]:]                                  # [B*G, C]
-    mask = grpo.completion_mask(completion_ids, eos)                                     # never from the pad id
+    mask = grpo.completion_mask(completion_ids, eos)                                     # [B*G, C]
     attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)
     return Rollouts(sequences, attention_mask, mask, decode_completions(tokenizer, completion_ids, mask),
                     group_size, settings.temperature)

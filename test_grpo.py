@@ -1261,3 +1261,44 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
     before, after = history[0][1]["correctness"], history[-1][1]["correctness"]
     assert 0.05 <= before <= 0.2
     assert after - before >= 0.10, (before, after)
+
+
+# --- the shape of the code: what the README promises about it ---------------------------------------------------------
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def source(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_readme_equation_map_points_at_lines_of_grpo_py():
+    readme, code = source("README.md"), source("grpo.py")
+    table = readme.split("## Equation to code")[1].split("\n\n")[2]  # the table after the section's first paragraph
+    strings = [row.rsplit("|", 2)[1].strip().strip("`") for row in table.splitlines()[2:]]
+    assert len(strings) == 14 and all(strings)
+    assert [s for s in strings if s not in code] == []
+
+
+def test_grpo_py_depends_on_torch_alone():
+    import ast
+    tree = ast.parse(source("grpo.py"))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"torch"}
+    internals = ["lm_head", "past_key_values", "logits_to_keep", "generation_config", "model.model"]
+    assert [name for name in internals if name in source("grpo.py")] == []
+
+
+def test_train_py_stays_within_450_lines_and_no_function_is_longer_than_60():
+    import ast
+    assert len(source("train.py").splitlines()) <= 450
+    long = []
+    for name in sorted(f for f in os.listdir(HERE) if f.endswith(".py") and not f.startswith("test_")):
+        for node in ast.walk(ast.parse(source(name))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - first + 1 > 60:
+                    long.append(f"{name}:{node.name}")
+    assert long == []
