@@ -133,8 +133,6 @@ def fix_length(model, new_tokens):
     model.generation_config.min_new_tokens = new_tokens
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Workers: each runs in its own process and prints one line "RESULT {json}".
 
@@ -183,7 +181,8 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
     """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
     G, amp = a.num_generations, sampling.AMP[a.dtype]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
-    objective = train.Objective(beta=a.beta, max_tokens=a.max_new_tokens)  # ε 0.2, loss grpo: train.py's defaults
+    objective = train.Objective(epsilon=0.2, epsilon_high=None, beta=a.beta, loss_type="grpo", ratio_level="token",
+                                max_tokens=a.max_new_tokens)
     with phase(record, "generate"):  # 7: G samples per prompt, one generate call, fixed length
         rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp,
                                             min_new_tokens=a.max_new_tokens)

@@ -2,7 +2,7 @@
 schedule, all set up fresh or resumed from a checkpoint; models loaded by name or directory.
 
 OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
-training_state.pt: optimizer, scheduler, step and RNG states, and the flags. It is written into checkpoint.tmp and
+training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written into checkpoint.tmp and
 renamed into place. A run's data position needs no saving: the batch of step s is a pure function of the seed and s
 (data.batch_at); its evaluations are read back from metrics.jsonl.
 """
@@ -59,8 +59,7 @@ def load_model(name, trust_remote_code=False):
 
 @dataclass
 class Run:
-    """What the loop carries from step to step. A checkpoint saves the policy, tokenizer, optimizer, scheduler and
-    scaler; the evaluations live in metrics.jsonl."""
+    """What the loop carries from step to step."""
     model: torch.nn.Module             # π_θ, fp32, on the device
     ref_model: torch.nn.Module | None  # π_ref, frozen (None when β = 0)
     tokenizer: object
@@ -72,11 +71,17 @@ class Run:
     evals: list                        # [(step, {reward name: mean})]
 
 
+def policy_loaded_from_checkpoint(args, resume_dir):
+    """Whether --resume loads the checkpoint in place of π_θinit: with β = 0 no reference model needs the initial
+    weights (the demo always builds its model in code)."""
+    return resume_dir is not None and args.beta == 0 and not args.demo
+
+
 def start(args, model, tokenizer, resume_dir=None):
     """Lines 1 and 3: π_θ on the device (π_θinit, or on --resume the checkpoint's weights) and π_ref = π_θinit; then
     AdamW, its LR schedule and a resumed run's optimizer, scheduler, RNG and log."""
     ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None)
-    if resume_dir is not None and model.name_or_path != resume_dir:  # the policy continues from the checkpoint
+    if resume_dir is not None and not policy_loaded_from_checkpoint(args, resume_dir):  # π_θ: the checkpoint's
         model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,
                                                      trust_remote_code=args.trust_remote_code)
     model.to(args.device)
@@ -99,9 +104,6 @@ def start(args, model, tokenizer, resume_dir=None):
         step = state["step"]
         print(f"resumed from {resume_dir} at step {step}")
     log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
-    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
-          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x "
-          f"G={args.num_generations}, mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
     return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals)
 
 
@@ -143,20 +145,28 @@ def save_interrupted(run, args, step, updated, rng_at_start):
 
 
 def open_log(output_dir, resumed_at=None):
-    """OUTPUT_DIR/metrics.jsonl for this run and the evaluations logged in it. A resumed run keeps the lines up to its
-    checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty."""
+    """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
+    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
     if resumed_at is not None and os.path.isfile(path):
         with open(path) as f:
-            kept = [json.loads(line) for line in f if line.strip()]
-        kept = [row for row in kept if row["step"] <= resumed_at]
+            kept = [row for row in map(json_or_none, f) if row is not None and row["step"] <= resumed_at]
     with open(path, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in kept)
     evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
              for row in kept if any(k.startswith("eval/") for k in row)]
     return path, evals
+
+
+def json_or_none(line):
+    """A metrics.jsonl line as a dict; None for a blank line or one cut short by a kill in the middle of a write."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except ValueError:
+        print(f"metrics.jsonl: skipping a line cut short: {line[:80]!r}", file=sys.stderr)
+        return None
 
 
 def rng_state():

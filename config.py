@@ -58,7 +58,6 @@ def add_model_and_grpo_flags(p):
                         "(demo: correctness); total reward = weighted sum")
 
 
-
 def add_sampling_and_optimization_flags(p):
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.9, help="sampling temperature for training rollouts")
@@ -90,7 +89,6 @@ def add_sampling_and_optimization_flags(p):
                    help="recompute activations in backward: less memory, ~30%% more time")
 
 
-
 def add_run_flags(p):
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model on the test split and exit")
@@ -105,8 +103,8 @@ def add_run_flags(p):
     g.add_argument("--output-dir", default=None,
                    help="metrics.jsonl and checkpoint/ go here; if not given, runs/<model name>-seed<seed>")
     g.add_argument("--save-every", type=int, default=50,
-                   help="checkpoint every N steps, and always at the end and before every evaluation (so an "
-                        "evaluation that crashes loses no training); 0: only those")
+                   help="checkpoint every N steps, and always after the last step and before every evaluation after "
+                        "step 0 (so an evaluation that crashes loses no training); 0: only those")
     g.add_argument("--sample-every", type=int, default=10, help="print one sampled completion every N steps; 0: never")
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     g.add_argument("--seed", type=int, default=42, help="seeds torch, numpy, random and the data order")
@@ -163,8 +161,9 @@ def check(args):
     for flag, value, low in [("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1),
                              ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
                              ("--num-iterations", args.num_iterations, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--eval-samples", args.eval_samples, 1), ("--eval-batch-size", args.eval_batch_size, 1)]:
-        if value < low:
+                             ("--eval-samples", args.eval_samples, 1), ("--eval-batch-size", args.eval_batch_size, 1),
+                             ("--eval-limit", args.eval_limit, 1)]:
+        if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")
     if args.micro_batch_size is not None and (args.micro_batch_size < G or args.micro_batch_size % G):
         raise UserError(f"--micro-batch-size is counted in completions and must be a positive multiple of "

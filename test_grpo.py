@@ -889,8 +889,8 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
     optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
     update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
-                               torch.tensor([1.0, -1.0] * 4), ref_logps=None, objective=train.Objective(beta=0.0),
-                               micro_batch_size=4)
+                               torch.tensor([1.0, -1.0] * 4), ref_logps=None,
+                               objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4), micro_batch_size=4)
     _, old = update(old_logps=None)
     assert torch.allclose(old, expected, atol=1e-5)
     assert (old[:4, 2:] == 0).all() and (old[:4, :2] < 0).all()
@@ -1119,6 +1119,27 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
     assert without_time(read_metrics(tmp_path / "cut")) == without_time(read_metrics(tmp_path / "straight"))
 
 
+def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_reference_apart(tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    data_file = write_gsm8k(tmp_path / "train.jsonl")
+    argv = ["--data", data_file, "--num-generations", "2", "--max-new-tokens", "4", "--eval-every", "-1",
+            "--sample-every", "0", "--output-dir", str(tmp_path / "run"), "--beta", "0.1"]
+    train.main(["--model", model_dir, "--steps", "1", *argv])
+    resumed = str(tmp_path / "run" / "checkpoint")
+    train.main(["--model", resumed, "--steps", "2", "--resume", *argv])  # the reference: the checkpoint's weights
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and math.isfinite(rows[1]["grad_norm"]) and rows[1]["kl"] == 0.0
+
+
+def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
+    run_tiny(tmp_path / "run", "--steps", "2", "--save-every", "1")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 0.1')  # a kill in the middle of a write, after the last checkpoint
+    run_tiny(tmp_path / "run", "--steps", "3", "--save-every", "1", "--resume")
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert "skipping a line cut short" in capsys.readouterr().err
+
+
 def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the_old_one(tmp_path):
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     out = str(tmp_path)
@@ -1217,12 +1238,14 @@ def bad_input_cases(tmp_path):
         "missing data": (["--data", str(tmp_path / "missing.jsonl")], ["no such file"]),
         "malformed data": (["--data", str(bad)], [f"{bad}:2"]),
         "micro-batch not whole groups": (["--micro-batch-size", "12"], ["multiple of --num-generations (8)"]),
+        "eval limit 0": (["--eval-limit", "0"], ["--eval-limit must be at least 1"]),
         "nothing to resume": (tiny_argv(tmp_path / "empty", "--resume"), ["no checkpoint"]),
     }
 
 
 @pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",
-                                  "malformed data", "micro-batch not whole groups", "nothing to resume"])
+                                  "malformed data", "micro-batch not whole groups", "eval limit 0",
+                                  "nothing to resume"])
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
     argv, expected = bad_input_cases(tmp_path)[case]

@@ -43,6 +43,9 @@ def train(args, task, model, tokenizer, resume_dir=None):
                           args.max_new_tokens)
     update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=objective,
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler)
+    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
+          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G={G}, "
+          f"mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times = []
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
@@ -65,15 +68,17 @@ def train(args, task, model, tokenizer, resume_dir=None):
                 updates.append(stats)
                 if old_logps is None and args.num_iterations > 1:
                     old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
+            times.append(time.time() - t0)
+            eta = np.mean(times) * (args.steps - step - 1)
+            metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], eta)
+            log_step(run.log_path, step + 1, args, metrics, list(per_fn))
+            if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
+                print_sample(step + 1, prompts[0], rollouts.texts[0], reward[0].item(), answers[0])
+            save_if_due(run, task, args, step + 1)  # and before every evaluation: one cut short loses no training
         except KeyboardInterrupt:
             checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start)
             raise
-        times.append(time.time() - t0)
-        metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], np.mean(times) * (args.steps - step - 1))
-        log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-        if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
-            print_sample(step + 1, prompts[0], rollouts.texts[0], reward[0].item(), answers[0])
-        end_step(run, task, args, step + 1)
+        evaluate_if_due(run, task, args, step + 1)
     if len(run.evals) > 1:
         print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
     return run.evals
@@ -82,12 +87,12 @@ def train(args, task, model, tokenizer, resume_dir=None):
 @dataclass(frozen=True)
 class Objective:
     """Eq. 3's settings: grpo.grpo_loss's keywords."""
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # DAPO's clip-higher; None: epsilon
-    beta: float = 0.04
-    loss_type: str = "grpo"            # grpo | dapo | dr_grpo
-    ratio_level: str = "token"         # token | sequence (GSPO)
-    max_tokens: int | None = None      # the generation budget: Dr. GRPO's constant
+    epsilon: float
+    epsilon_high: float | None  # DAPO's clip-higher; None: epsilon
+    beta: float
+    loss_type: str              # grpo | dapo | dr_grpo
+    ratio_level: str            # token | sequence (GSPO)
+    max_tokens: int             # the generation budget: Dr. GRPO's constant
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -217,21 +222,25 @@ def evaluate_if_due(run, task, args, step):
     """The evaluation of `step` if one is due and not logged yet (a resumed run may have logged it)."""
     if not eval_due(args, task, step) or step in dict(run.evals):
         return
-    settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
-    result = evaluate(run.model, run.tokenizer, task, settings, args.eval_samples, args.eval_limit,
-                      args.eval_batch_size, args.seed, sampling.AMP[args.dtype])
+    result = evaluate_as_flagged(run.model, run.tokenizer, task, args)
     run.evals.append((step, result))
     print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
     write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
 
 
-def end_step(run, task, args, done):
-    """After step `done`: a checkpoint when one is due, and always before an evaluation, so that a crash or Ctrl-C
-    inside the evaluation loses no training; then the evaluation, when due."""
+def evaluate_as_flagged(model, tokenizer, task, args):
+    """evaluate() with the --eval-* flags."""
+    settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
+    return evaluate(model, tokenizer, task, settings, args.eval_samples, args.eval_limit, args.eval_batch_size,
+                    args.seed, sampling.AMP[args.dtype])
+
+
+def save_if_due(run, task, args, done):
+    """A checkpoint after step `done` every --save-every steps, after the last step, and before every evaluation, so
+    that a crash or Ctrl-C inside an evaluation loses no training."""
     periodic = args.save_every > 0 and done % args.save_every == 0
     if periodic or done == args.steps or eval_due(args, task, done):
         checkpoint.save_run(run, args, done, checkpoint.rng_state())
-    evaluate_if_due(run, task, args, done)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -301,8 +310,8 @@ def setup(args, resume_dir=None):
                                             args.reward_weights)
         return task, model, tokenizer
     task = gsm8k_task(args)
-    model, tokenizer = checkpoint.load_model(resume_dir if resume_dir and args.beta == 0 else args.model,
-                                             args.trust_remote_code)
+    name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
+    model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
     return task, model, tokenizer
 
 
@@ -347,9 +356,7 @@ def main(argv=None):
         task, model, tokenizer = setup(args, resume_dir)
         if not args.eval_only:
             return train(args, task, model, tokenizer, resume_dir)
-        settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
-        result = evaluate(model.to(args.device), tokenizer, task, settings, args.eval_samples, args.eval_limit,
-                          args.eval_batch_size, args.seed, sampling.AMP[args.dtype])
+        result = evaluate_as_flagged(model.to(args.device), tokenizer, task, args)
         print(f"eval on {len(task.eval[: args.eval_limit])} questions x {args.eval_samples} samples: "
               + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
         return result
