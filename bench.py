@@ -438,11 +438,78 @@ def bench_vs_trl(a, rows):
                  "per round " + " ".join(f"{x:.2f}" for x in cpu_ratios)))
 
 
-def main():
+# ----------------------------------------------------------------------------------------------------------------------
+# d. Memory from the architecture: what a run of train.py holds on the device, by part (bytes = count x width).
+
+
+def saved_bytes(model, tokens, amp):
+    """Bytes of the tensors autograd saves for backward in one forward of the decoder stack (no lm-head: the
+    chunked head keeps no [T, V] logits) over `tokens` tokens, each storage counted once."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sampling.autocast("cpu", amp):
+        model.model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+    return sum(storages.values())
+
+
+def activation_bytes_per_token_layer(name, amp):
+    """Measured on 1- and 2-layer models of the config at 128 and 256 tokens: the differences cancel the weights
+    (and autocast's copies of them), the embedding and the final norm, leaving one layer's activations per token."""
+    per_layers = {}
+    for layers in (1, 2):
+        shape = dict(CONFIGS[name], num_hidden_layers=layers)
+        model = demo.tiny_llama(shape.pop("vocab_size"), 0, **shape)
+        per_layers[layers] = saved_bytes(model, 256, amp) - saved_bytes(model, 128, amp)
+    return (per_layers[2] - per_layers[1]) / 128
+
+
+def memory_table(a):
+    """The device memory of a train.py run of this config, part by part, in GB (1e9 bytes): fp32 weights, gradients
+    and AdamW moments; the reference model in the compute dtype; autocast's compute-dtype copy of the weights during
+    forward/backward; the KV cache of one step's generate; the activations of one micro-batch (G completions)."""
+    c, amp = CONFIGS[a.config], sampling.AMP[a.dtype]
+    width = 2 if amp is not None else 4
+    n = sum(p.numel() for p in build_model_meta(a.config).parameters())
+    L, h = c["num_hidden_layers"], c["hidden_size"]
+    kv_width = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    seq, rows, micro = a.prompt_len + a.max_new_tokens, a.batch_size * a.accumulation * a.num_generations, \
+        a.batch_size * a.num_generations
+    act = activation_bytes_per_token_layer(a.config, amp)
+    layer_input = 4 * h  # what checkpointing keeps per layer and token: the fp32 residual stream
+    activations = micro * seq * ((L * layer_input + act) if a.gradient_checkpointing else L * act)
+    parts = [("weights, fp32", 4 * n), ("gradients, fp32", 4 * n), ("AdamW moments, fp32", 8 * n),
+             (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
+             (f"autocast copy of the weights, {a.dtype}", width * n if amp is not None else 0),
+             (f"KV cache: {rows} rows x {seq} tokens", rows * seq * L * 2 * kv_width * width),
+             (f"activations: {micro} rows x {seq} tokens" + (", checkpointed" if a.gradient_checkpointing else ""),
+              activations)]
+    static = sum(b for _, b in parts[:4])
+    print(f"{a.config}: {n:,} parameters; {act / 1e3:.1f} kB of activations per token and layer ({a.dtype})")
+    for name, b in parts:
+        print(f"  {name:<52}{b / 1e9:>8.2f} GB")
+    print(f"  {'peak while generating (static + KV cache)':<52}{(static + parts[5][1]) / 1e9:>8.2f} GB")
+    print(f"  {'peak in forward/backward (static + copy + activations)':<52}"
+          f"{(static + parts[4][1] + activations) / 1e9:>8.2f} GB")
+
+
+def build_model_meta(name):
+    """The config's model on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        return build_model(name)
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--logprobs", action="store_true", help="a. chunked log-probs vs the naive log-softmax")
     p.add_argument("--step", action="store_true", help="b. one GRPO step of our loop, phase by phase")
     p.add_argument("--vs-trl", action="store_true", help="c. our step vs TRL's GRPOTrainer, alternating A B A B")
+    p.add_argument("--memory", action="store_true",
+                   help="d. the memory a training run needs, computed from the config (no run): prints and exits")
+    p.add_argument("--accumulation", type=int, default=4, help="--memory: prompts generated per step / batch-size")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="--memory: with gradient checkpointing")
     p.add_argument("--config", default="tiny", choices=list(CONFIGS))
     p.add_argument("--num-generations", type=int, default=8, help="G")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per step (B); B*G completions")
@@ -467,7 +534,11 @@ def main():
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = build_parser().parse_args()
     prompt_len, new_tokens, steps = SHAPES[a.config]
     a.prompt_len = a.prompt_len or prompt_len
     a.max_new_tokens = a.max_new_tokens or new_tokens
@@ -475,6 +546,8 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    if a.memory:
+        return memory_table(a)
     if a.worker:
         work = dict(logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl)[a.worker]
         print("RESULT " + json.dumps(work(a)), flush=True)

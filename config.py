@@ -6,6 +6,7 @@ project sets out to reproduce; --demo swaps in DEMO_DEFAULTS.
 """
 import argparse
 import os
+import re
 
 import torch
 
@@ -32,6 +33,9 @@ def add_model_and_grpo_flags(p):
     g.add_argument("--eval-data", default=None,
                    help="GSM8K-format test JSONL; if not given: test.jsonl beside --data if there is one, "
                         "else the official test split (downloaded once)")
+    g.add_argument("--response-prefix", default="",
+                   help='text written at the start of every reply, after the chat template\'s generation prompt, '
+                        'e.g. "<think>\\n" (\\n and \\t are decoded); the rewards score prefix + completion')
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run model code shipped with the checkpoint (off: built-in architectures "
                         "only)")
@@ -95,7 +99,11 @@ def add_run_flags(p):
     g.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps; 0: only before and after training; -1: never")
     g.add_argument("--eval-samples", type=int, default=8, help="completions sampled per test question")
-    g.add_argument("--eval-temperature", type=float, default=0.7, help="sampling temperature for eval")
+    g.add_argument("--eval-temperature", type=float, default=0.7,
+                   help="sampling temperature for eval; 0: greedy, one completion per question")
+    g.add_argument("--eval-seed", type=int, default=None,
+                   help="seed of the evaluation's own RNG; if not given, --seed (fix it to compare runs on the same "
+                        "draws)")
     g.add_argument("--eval-limit", type=int, default=None, help="evaluate on the first N test questions only")
     g.add_argument("--eval-batch-size", type=int, default=8, help="test questions per generate call")
 
@@ -108,6 +116,12 @@ def add_run_flags(p):
     g.add_argument("--sample-every", type=int, default=10, help="print one sampled completion every N steps; 0: never")
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     g.add_argument("--seed", type=int, default=42, help="seeds torch, numpy, random and the data order")
+    g.add_argument("--stop-when-zero-std", type=int, default=0,
+                   help="stop early (save, evaluate) after N steps in a row in which every group's rewards were all "
+                        "equal: such steps teach nothing; 0: never")
+    g.add_argument("--plot", metavar="DIR", default=None,
+                   help="draw DIR/curves.png from DIR/metrics.jsonl and exit (needs matplotlib; every run also draws "
+                        "it at the end)")
 
     g = p.add_argument_group("demo")
     g.add_argument("--demo", action="store_true",
@@ -169,11 +183,14 @@ def check(args):
         raise UserError(f"--micro-batch-size is counted in completions and must be a positive multiple of "
                         f"--num-generations ({G}) so that each micro-batch holds whole groups; got "
                         f"{args.micro_batch_size}. Try {G * max(1, args.micro_batch_size // G)}.")
-    if args.temperature <= 0 or args.eval_temperature <= 0:
-        raise UserError("--temperature and --eval-temperature must be > 0 (training samples, and its log-probs "
-                        "divide the logits by the temperature).")
+    if args.temperature <= 0 or args.eval_temperature < 0:
+        raise UserError("--temperature must be > 0 (its log-probs divide the logits by it) and --eval-temperature "
+                        ">= 0 (0: greedy).")
+    if args.eval_temperature == 0:
+        args.eval_samples = 1  # greedy decoding gives every sample of a question the same completion
     if args.beta < 0 or args.epsilon <= 0:
         raise UserError(f"--beta must be >= 0 and --epsilon > 0, got beta={args.beta}, epsilon={args.epsilon}.")
+    args.response_prefix = decode_escapes(args.response_prefix)
     try:
         args.reward_weights = [float(w) for w in str(args.reward_weights).split(",")]
     except ValueError:
@@ -186,3 +203,8 @@ def check(args):
     if not args.demo and args.model.startswith((".", "/", "~")) and not os.path.isdir(local):
         raise UserError(f"--model {args.model!r} looks like a local path, but {local} is not a directory. Pass the "
                         "directory holding config.json and the weights, a hub id, or a SmolLM2 short name.")
+
+
+def decode_escapes(text):
+    """Decode \\n, \\t and \\\\ as typed in a shell ("<think>\\n": the tag and a newline); nothing else."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)

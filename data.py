@@ -35,6 +35,15 @@ class Task:
     eval: list         # held-out rows of the same form ([] when evaluation is off)
     prompt: Callable   # (tokenizer, question) -> the text the policy continues
     rewards: list      # [Reward]
+    response_prefix: str = ""  # written at the start of every reply, e.g. "<think>\n": the policy continues after it
+
+    def query(self, tokenizer, question):
+        """The text the policy continues: the prompt, then the response prefix."""
+        return self.prompt(tokenizer, question) + self.response_prefix
+
+    def responses(self, completions):
+        """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
+        return [self.response_prefix + c for c in completions]
 
 
 def weighted(named_fns, weights):

@@ -18,7 +18,7 @@ import grpo
 @dataclass(frozen=True)
 class Sampling:
     """How completions are drawn: temperature, then top-k (0: off), then top-p (1.0: off), as transformers orders
-    them, for at most max_new_tokens tokens."""
+    them, for at most max_new_tokens tokens. Temperature 0: greedy (evaluation only; top-k and top-p unused)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -129,9 +129,9 @@ def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_t
     """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
     (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
     return GenerationConfig(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=settings.max_new_tokens,
-        min_new_tokens=min_new_tokens or None, eos_token_id=eos_ids, pad_token_id=pad_id,
-        num_return_sequences=num_return_sequences, num_beams=1, use_cache=True,
+        do_sample=settings.temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=settings.max_new_tokens, min_new_tokens=min_new_tokens or None, eos_token_id=eos_ids,
+        pad_token_id=pad_id, num_return_sequences=num_return_sequences, num_beams=1, use_cache=True,
         repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
@@ -173,7 +173,8 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
     with torch.no_grad(), autocast(prompt_ids.device, amp), flags_only(model):
         cache = prefill_prompts(model, prompt_ids, prompt_mask, group_size)
         config = generation_config(settings, eos_ids, pad_id, 1 if cache is not None else group_size, min_new_tokens)
-        processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)])
+        processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)]
+                                         if settings.temperature > 0 else [])  # 0: greedy, the argmax token
         if cache is not None:
             out = model.generate(input_ids=prompt_ids.repeat_interleave(group_size, dim=0),
                                  attention_mask=prompt_mask.repeat_interleave(group_size, dim=0),

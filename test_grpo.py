@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 import urllib.error
 from decimal import Decimal
@@ -27,6 +28,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import demo  # noqa: E402
+import plot  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k  # noqa: E402
@@ -1076,11 +1078,11 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
     real_score, scored = train.score, []
 
-    def interrupt_at_step_3(*a):
-        scored.append(1)
-        if len(scored) == 3:
+    def interrupt_at_step_3(completions, *a):
+        scored.append(len(completions) == 16)  # a training step's 4 prompts x G = 4 (an evaluation scores 4 x 2)
+        if sum(scored) == 3 and scored[-1]:
             raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash")
-        return real_score(*a)
+        return real_score(completions, *a)
 
     monkeypatch.setattr(train, "score", interrupt_at_step_3)
     interrupted = [*argv, "--save-every", "2" if how == "crash" else "0"]
@@ -1186,7 +1188,93 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
 def test_eval_only_reports_mean_rewards(tmp_path):
     result = train.main(["--demo", "--demo-warmup-steps", "0", "--eval-only", "--eval-limit", "10",
                          "--eval-samples", "2", "--output-dir", str(tmp_path)])
-    assert set(result) == {"correctness"} and 0.0 <= result["correctness"] <= 1.0
+    assert set(result) == {"correctness", "reward", "correctness_pass@2", "reward_pass@2"}
+    assert 0.0 <= result["correctness"] <= result["correctness_pass@2"] <= 1.0
+    assert result["reward"] == result["correctness"]  # the demo's one reward function, weight 1
+
+
+def test_eval_means_and_pass_at_k_worked_example():
+    """3 questions x 4 samples, correct exactly at completions 0 and 5 (question 0's first and question 1's second):
+    mean 2/12, pass@4 2/3; format weighted 0.5 scores 0.1 everywhere, so the total is correctness + 0.05."""
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    hits = lambda completions, answers: [1.0 if i in (0, 5) else 0.0 for i in range(len(completions))]  # noqa: E731
+    task = data.Task(train=[], eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
+                     prompt=lambda tokenizer, question: question,
+                     rewards=data.weighted([("correctness", hits), ("format", lambda c, a: [0.1] * len(c))],
+                                           [1.0, 0.5]))
+    result = train.evaluate(model, tokenizer, task, sampling.Sampling(max_new_tokens=2), samples=4, batch_size=3)
+    assert result == pytest.approx({"correctness": 2 / 12, "format": 0.1, "reward": 2 / 12 + 0.05,
+                                    "correctness_pass@4": 2 / 3, "format_pass@4": 0.1,
+                                    "reward_pass@4": (1.05 + 1.05 + 0.05) / 3}, abs=TOL)
+
+
+def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp_path, monkeypatch):
+    args = config.parse_args(["--demo", "--eval-temperature", "0", "--eval-samples", "8"])
+    assert args.eval_samples == 1  # greedy: every sample of a question would be the same completion
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    seen = []
+    task = data.Task(train=[], eval=[{"question": "3 + 4 =", "answer": "7"}], prompt=lambda tokenizer, q: q,
+                     rewards=[data.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)])
+    settings = sampling.Sampling(temperature=0, max_new_tokens=3)
+    for seed in (0, 1):
+        train.evaluate(model, tokenizer, task, settings, samples=1, seed=seed)
+    ids = tokenizer("3 + 4 =", return_tensors="pt", add_special_tokens=False).input_ids
+    for _ in range(3):  # the argmax continuation, token by token
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    expected = tokenizer.decode(ids[0, -3:][: int(completion_mask(ids[:, -3:], demo.EOS).sum())],
+                                skip_special_tokens=True)
+    assert seen == [expected, expected]
+
+
+def test_response_prefix_ends_every_prompt_and_starts_every_scored_response(tmp_path, monkeypatch):
+    args = config.parse_args(tiny_argv(tmp_path, "--response-prefix", r"<think>\n"))
+    assert args.response_prefix == "<think>\n"  # typed in a shell as "<think>\n": the escape is decoded
+    prompts, scored = [], []
+    real_sample = sampling.sample_rollouts
+    monkeypatch.setattr(sampling, "sample_rollouts", lambda model, tok, p, *a: prompts.extend(p) or real_sample(
+        model, tok, p, *a))
+    run_tiny(tmp_path, "--response-prefix", r"<think>\n",
+             reward=lambda completions, answers: scored.extend(completions) or varied_reward(completions, answers))
+    assert len(prompts) == 4 and all(p.endswith(" =<think>\n") for p in prompts)
+    assert len(scored) == 16 and all(c.startswith("<think>\n") for c in scored)
+
+
+def test_response_prefix_counts_toward_the_format_reward():
+    task = data.Task(train=[], eval=[], prompt=build_prompt, rewards=[], response_prefix="<think>\n")
+    assert format_reward(task.responses(["2 + 2 = 4\n</think>\n<answer>4</answer>"])) == [0.5]
+
+
+@pytest.mark.parametrize("typed, decoded", [(r"<think>\n", "<think>\n"), (r"a\tb", "a\tb"), (r"C:\\x", "C:\\x"),
+                                            (r"\x", r"\x"), ("", "")])
+def test_response_prefix_decodes_backslash_n_t_and_backslash_only(typed, decoded):
+    assert config.decode_escapes(typed) == decoded
+
+
+def test_stop_when_zero_std_ends_early_saves_and_evaluates(tmp_path, capsys):
+    evals = run_tiny(tmp_path, "--steps", "5", "--stop-when-zero-std", "2", "--eval-every", "0", "--eval-limit", "2",
+                     "--eval-samples", "2", reward=lambda completions, answers: [1.0] * len(completions))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2] and all(r["frac_zero_std"] == 1.0 for r in rows[1:3])
+    assert [step for step, _ in evals] == [0, 2]
+    assert torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
+    assert "stopping after step 2: 2 steps in a row had no reward spread" in capsys.readouterr().out
+
+
+def test_curves_png_is_written_at_the_end_of_a_run_and_by_plot_flag(tmp_path):
+    pytest.importorskip("matplotlib")  # optional: without it the run prints how to get the plot
+    run_tiny(tmp_path, "--steps", "2", "--eval-every", "1", "--eval-limit", "2", "--eval-samples", "2")
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png.unlink()
+    assert train.main(["--plot", str(tmp_path)]) == str(png) and png.stat().st_size > 10_000
+
+
+def test_curves_without_matplotlib_say_how_to_get_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    run_tiny(tmp_path)
+    assert plot.curves(str(tmp_path)) is None
+    hint = f"no plot: matplotlib is not installed (pip install matplotlib, then python plot.py {tmp_path})"
+    assert capsys.readouterr().out.count(hint) == 2 and not (tmp_path / "curves.png").exists()
 
 
 def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsys):
@@ -1198,7 +1286,8 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
                           "--max-new-tokens", "4", "--eval-samples", "2", "--sample-every", "1",
                           "--output-dir", str(tmp_path / "run")])
     assert [step for step, _ in history] == [0, 1]
-    assert set(history[-1][1]) == {"correctness", "format"}
+    assert set(history[-1][1]) == {"correctness", "format", "reward", "correctness_pass@2", "format_pass@2",
+                                    "reward_pass@2"}
     row = read_metrics(tmp_path / "run")[1]
     assert {"rewards/correctness", "rewards/format", "accuracy", "kl", "clip_frac", "lr"} <= set(row)
     out = capsys.readouterr().out

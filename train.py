@@ -25,6 +25,7 @@ import config
 import data
 import demo
 import grpo
+import plot
 import rewards
 import sampling
 from config import UserError
@@ -47,16 +48,16 @@ def train(args, task, model, tokenizer, resume_dir=None):
           f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G={G}, "
           f"mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
-    times = []
+    times, zero_std_streak, stop = [], 0, False
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
         try:
             rows = data.batch_at(task.train, args.batch_size * args.gradient_accumulation_steps, args.seed, step)  # 5
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
-            prompts = [task.prompt(tokenizer, row["question"]) for row in rows]
+            prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
-            answers = [row["answer"] for row in rows for _ in range(G)]
-            reward, per_fn = score(rollouts.texts, answers, task.rewards)  # 8: r_i [B*G], each function's {name: [B*G]}
+            answers, responses = [row["answer"] for row in rows for _ in range(G)], task.responses(rollouts.texts)
+            reward, per_fn = score(responses, answers, task.rewards)  # 8: r_i [B*G], each function's {name: [B*G]}
             advantages = grpo.group_advantages(reward, G, scale=args.scale_rewards)  # 9: Â_i,t, the same for all t
             advantages = advantages.to(rollouts.input_ids.device)                    # [B*G]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
@@ -73,14 +74,22 @@ def train(args, task, model, tokenizer, resume_dir=None):
             metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], eta)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
             if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
-                print_sample(step + 1, prompts[0], rollouts.texts[0], reward[0].item(), answers[0])
-            save_if_due(run, task, args, step + 1)  # and before every evaluation: one cut short loses no training
+                print_sample(step + 1, prompts[0], responses[0], reward[0].item(), answers[0])
+            zero_std_streak = zero_std_streak + 1 if metrics["frac_zero_std"] == 1 else 0
+            stop = 0 < args.stop_when_zero_std <= zero_std_streak and step + 1 < args.steps
+            if stop:
+                print(f"stopping after step {step + 1}: {zero_std_streak} steps in a row had no reward spread in any "
+                      "group (--stop-when-zero-std); README, Results: what to do then.", flush=True)
+            save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
         except KeyboardInterrupt:
             checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start)
             raise
-        evaluate_if_due(run, task, args, step + 1)
+        evaluate_if_due(run, task, args, step + 1, stop)
+        if stop:
+            break
     if len(run.evals) > 1:
         print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
+    plot.curves(args.output_dir)
     return run.evals
 
 
@@ -194,33 +203,42 @@ def score(completions, answers, reward_fns):
 
 
 def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8, seed=0, amp=None):
-    """Mean reward of each reward function over `samples` completions per held-out question (the first `limit`).
+    """On the first `limit` held-out questions, `samples` (k) completions each: the mean of each reward function and
+    of the weighted total ("reward") over all completions, and with k > 1 each one's pass@k: a question's best of its
+    k rewards, averaged over questions (for a 0/1 reward such as correctness, the fraction solved at least once).
     Runs under its own RNG seeded with `seed`, so it neither perturbs nor depends on the training RNG stream."""
-    rows = task.eval[:limit]
-    sums, count = {r.name: 0.0 for r in task.rewards}, 0
+    rows, chunks, t0 = task.eval[:limit], [], time.time()
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for i in range(0, len(rows), batch_size):
             chunk = rows[i: i + batch_size]
-            prompts = [task.prompt(tokenizer, row["question"]) for row in chunk]
+            prompts = [task.query(tokenizer, row["question"]) for row in chunk]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
             answers = [row["answer"] for row in chunk for _ in range(samples)]
-            for name, fn, _ in task.rewards:
-                sums[name] += sum(fn(rollouts.texts, answers))
-            count += len(rollouts.texts)
-    return {name: s / max(count, 1) for name, s in sums.items()}
+            total, per_fn = score(task.responses(rollouts.texts), answers, task.rewards)
+            chunks.append({**per_fn, "reward": total})
+            if len(rows) > batch_size:  # a progress line per generate call
+                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {format_seconds(time.time() - t0)}", flush=True)
+    if not chunks:
+        return {}
+    table = {name: torch.cat([c[name] for c in chunks]).view(len(rows), samples) for name in chunks[0]}  # [Q, k]
+    result = {name: r.mean().item() for name, r in table.items()}
+    if samples > 1:
+        result.update({f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()})
+    return result
 
 
-def eval_due(args, task, step):
-    """Evaluations run before training, every --eval-every steps and at the end (--eval-every -1: never)."""
+def eval_due(args, task, step, last=False):
+    """Evaluations run before training, every --eval-every steps and at the end (the last step, or `last`: a step
+    that ends the run early); --eval-every -1: never."""
     periodic = args.eval_every > 0 and step % args.eval_every == 0
-    return args.eval_every >= 0 and len(task.eval) > 0 and (step in (0, args.steps) or periodic)
+    return args.eval_every >= 0 and len(task.eval) > 0 and (step in (0, args.steps) or last or periodic)
 
 
-def evaluate_if_due(run, task, args, step):
+def evaluate_if_due(run, task, args, step, last=False):
     """The evaluation of `step` if one is due and not logged yet (a resumed run may have logged it)."""
-    if not eval_due(args, task, step) or step in dict(run.evals):
+    if not eval_due(args, task, step, last) or step in dict(run.evals):
         return
     result = evaluate_as_flagged(run.model, run.tokenizer, task, args)
     run.evals.append((step, result))
@@ -231,15 +249,16 @@ def evaluate_if_due(run, task, args, step):
 def evaluate_as_flagged(model, tokenizer, task, args):
     """evaluate() with the --eval-* flags."""
     settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
+    seed = args.seed if args.eval_seed is None else args.eval_seed
     return evaluate(model, tokenizer, task, settings, args.eval_samples, args.eval_limit, args.eval_batch_size,
-                    args.seed, sampling.AMP[args.dtype])
+                    seed, sampling.AMP[args.dtype])
 
 
-def save_if_due(run, task, args, done):
-    """A checkpoint after step `done` every --save-every steps, after the last step, and before every evaluation, so
-    that a crash or Ctrl-C inside an evaluation loses no training."""
+def save_if_due(run, task, args, done, last=False):
+    """A checkpoint after step `done` every --save-every steps, after the last step (or `last`: one that ends the run
+    early), and before every evaluation, so that a crash or Ctrl-C inside an evaluation loses no training."""
     periodic = args.save_every > 0 and done % args.save_every == 0
-    if periodic or done == args.steps or eval_due(args, task, done):
+    if periodic or done == args.steps or last or eval_due(args, task, done):
         checkpoint.save_run(run, args, done, checkpoint.rng_state())
 
 
@@ -289,12 +308,14 @@ def print_sample(step, prompt, completion, reward, answer):
 
 
 def print_eval_table(evals, count, args):
+    """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the last."""
     (first, before), (last, after) = evals[0], evals[-1]
     print(f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
           f"step {first} -> {last}")
-    print(f"  {'reward':<14}{'before':>8}{'after':>8}")
+    width = max(len(name) for name in before) + 2
+    print(f"  {'':<{width}}{'before':>8}{'after':>8}{'change':>9}")
     for name in before:
-        print(f"  {name:<14}{before[name]:>8.4f}{after[name]:>8.4f}")
+        print(f"  {name:<{width}}{before[name]:>8.4f}{after[name]:>8.4f}{after[name] - before[name]:>+9.4f}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -308,11 +329,11 @@ def setup(args, resume_dir=None):
     if args.demo:
         model, tokenizer, task = demo.setup(args.seed, args.demo_warmup_steps, args.demo_target_accuracy,
                                             args.reward_weights)
-        return task, model, tokenizer
-    task = gsm8k_task(args)
-    name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
-    model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
-    return task, model, tokenizer
+    else:
+        task = gsm8k_task(args)
+        name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
+        model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
+    return dataclasses.replace(task, response_prefix=args.response_prefix), model, tokenizer
 
 
 def gsm8k_task(args):
@@ -349,6 +370,10 @@ def main(argv=None):
     and CUDA running out of memory end with one paragraph on stderr and exit code 2, not a traceback."""
     try:
         args = config.parse_args(argv)
+        if args.plot is not None:
+            if not os.path.isfile(os.path.join(args.plot, "metrics.jsonl")):
+                raise UserError(f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir.")
+            return plot.curves(args.plot)
         resume_dir = checkpoint.find(args.output_dir) if args.resume and not args.eval_only else None
         if args.resume and not args.eval_only and resume_dir is None:
             raise UserError(f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "
