@@ -176,7 +176,8 @@ def check(args):
                              ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
                              ("--num-iterations", args.num_iterations, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--eval-samples", args.eval_samples, 1), ("--eval-batch-size", args.eval_batch_size, 1),
-                             ("--eval-limit", args.eval_limit, 1)]:
+                             ("--eval-limit", args.eval_limit, 1),
+                             ("--stop-when-zero-std", args.stop_when_zero_std, 0)]:
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")
     if args.micro_batch_size is not None and (args.micro_batch_size < G or args.micro_batch_size % G):

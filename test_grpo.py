@@ -1226,6 +1226,14 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     assert seen == [expected, expected]
 
 
+def test_eval_seed_replaces_the_run_seed_for_evaluations_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(train, "evaluate", lambda *a: seen.append(a[7]) or {})  # its 8th argument is the seed
+    for extra in ([], ["--eval-seed", "5"]):
+        train.evaluate_as_flagged(None, None, None, config.parse_args(["--demo", "--seed", "3", *extra]))
+    assert seen == [3, 5]
+
+
 def test_response_prefix_ends_every_prompt_and_starts_every_scored_response(tmp_path, monkeypatch):
     args = config.parse_args(tiny_argv(tmp_path, "--response-prefix", r"<think>\n"))
     assert args.response_prefix == "<think>\n"  # typed in a shell as "<think>\n": the escape is decoded
@@ -1328,12 +1336,15 @@ def bad_input_cases(tmp_path):
         "malformed data": (["--data", str(bad)], [f"{bad}:2"]),
         "micro-batch not whole groups": (["--micro-batch-size", "12"], ["multiple of --num-generations (8)"]),
         "eval limit 0": (["--eval-limit", "0"], ["--eval-limit must be at least 1"]),
+        "negative early stop": (["--stop-when-zero-std", "-1"], ["--stop-when-zero-std must be at least 0"]),
+        "plot without metrics": (["--plot", str(tmp_path)], ["no metrics.jsonl"]),
         "nothing to resume": (tiny_argv(tmp_path / "empty", "--resume"), ["no checkpoint"]),
     }
 
 
 @pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",
                                   "malformed data", "micro-batch not whole groups", "eval limit 0",
+                                  "negative early stop", "plot without metrics",
                                   "nothing to resume"])
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
