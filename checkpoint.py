@@ -135,12 +135,13 @@ def save_run(run, args, step, rng):
     print(f"saved {path} (step {step})", flush=True)
 
 
-def save_interrupted(run, args, step, updated, rng_at_start):
-    """Ctrl-C inside `step`. Before its first update, the weights and optimizer are those of the end of the last
-    step: save them with the RNG as it was then, so --resume redoes this step exactly. After an update, count the
-    step as done (its remaining μ updates are skipped) and --resume samples the next step's batch."""
+def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
+    """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the weights and optimizer are
+    those of the end of the last step: save them with the RNG as it was then, so --resume redoes this step exactly.
+    After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
     done = step + 1 if updated else step
-    print(f"\ninterrupted: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
+    why = "stopped" if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt) else "interrupted"
+    print(f"\n{why}: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
     save_run(run, args, done, rng_state() if updated else rng_at_start)
 
 
@@ -188,20 +189,35 @@ def set_rng_state(state):
 
 
 def save(output_dir, model, tokenizer, training_state):
-    """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, then swap it in with renames, so a crash at any
-    moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old)."""
+    """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with renames, so a crash
+    or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old)."""
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(training_state, os.path.join(tmp, "training_state.pt"))
+    fsync_tree(tmp)  # on disk before the renames: a power loss cannot leave a renamed but empty file
     if os.path.isdir(final):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    fsync_tree(output_dir, files=False)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def fsync_tree(directory, files=True):
+    """fsync every file in `directory` (files=True), then the directory's own entry list."""
+    names = sorted(os.listdir(directory)) if files else []
+    for path in [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def find(output_dir):

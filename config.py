@@ -84,6 +84,9 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--warmup-steps", type=int, default=0, help="LR warmup, in optimizer updates")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (global L2 norm)")
+    g.add_argument("--max-nonfinite", type=int, default=3,
+                   help="an update whose loss or gradient norm is NaN/inf is skipped (weights and AdamW unchanged); "
+                        "stop, saving the last good weights, after this many in a row")
 
     g = p.add_argument_group("precision and memory")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -163,6 +166,9 @@ def parse_args(argv=None):
     if args.output_dir is None:
         name = "demo" if args.demo else os.path.basename(os.path.normpath(args.model))
         args.output_dir = os.path.join("runs", f"{name}-seed{args.seed}")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UserError(f"--output-dir {args.output_dir} is a file, not a directory: pass a directory (it is created "
+                        "if missing) for metrics.jsonl and checkpoint/.")
     return args
 
 
@@ -177,7 +183,9 @@ def check(args):
                              ("--num-iterations", args.num_iterations, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--eval-samples", args.eval_samples, 1), ("--eval-batch-size", args.eval_batch_size, 1),
                              ("--eval-limit", args.eval_limit, 1),
-                             ("--stop-when-zero-std", args.stop_when_zero_std, 0)]:
+                             ("--stop-when-zero-std", args.stop_when_zero_std, 0),
+                             ("--max-nonfinite", args.max_nonfinite, 1), ("--seed", args.seed, 0),
+                             ("--eval-seed", args.eval_seed, 0)]:
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")
     if args.micro_batch_size is not None and (args.micro_batch_size < G or args.micro_batch_size % G):

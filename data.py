@@ -142,12 +142,13 @@ def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -
 
     With a chat template this is `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, so
     the text ends where the assistant's reply begins. A tokenizer without one (base models) gets
-    plain text instead: the system prompt, a blank line, "Question: ...", then a line "Answer:" and
-    a newline, so the model starts its reply on a fresh line.
+    plain text instead: its BOS token if it has one (prompts are tokenized without special tokens, so
+    nothing else would add it), the system prompt, a blank line, "Question: ...", then a line "Answer:"
+    and a newline, so the model starts its reply on a fresh line.
     """
     user = f"Question: {question}"
-    if getattr(tokenizer, "chat_template", None) is None:
-        return f"{system_prompt}\n\n{user}\nAnswer:\n"
+    if getattr(tokenizer, "chat_template", None) is None:  # a base model: its BOS first, as its pretraining saw
+        return f"{getattr(tokenizer, 'bos_token', None) or ''}{system_prompt}\n\n{user}\nAnswer:\n"
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

@@ -28,6 +28,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import data  # noqa: E402
 import demo  # noqa: E402
+import grpo  # noqa: E402
 import plot  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
@@ -561,6 +562,14 @@ def test_build_prompt_without_chat_template_falls_back_to_plain_text():
 
     prompt = build_prompt(BaseTokenizer(), "What is 2 + 3?", system_prompt="Be brief.")
     assert prompt == "Be brief.\n\nQuestion: What is 2 + 3?\nAnswer:\n"
+
+
+def test_plain_text_prompt_starts_with_the_bos_token_id_when_the_tokenizer_has_one():
+    tokenizer = demo.word_tokenizer(["<pad>", "<eos>", "<s>", "Be", "brief."], unk_token="<pad>")
+    tokenizer.add_special_tokens({"bos_token": "<s>"})  # as a base model's tokenizer has it: a special token
+    assert tokenizer.chat_template is None
+    ids, _ = sampling.tokenize_prompts(tokenizer, [build_prompt(tokenizer, "2?", system_prompt="Be brief.")], "cpu")
+    assert ids[0, :3].tolist() == [2, 3, 4]  # <s> Be brief.
 
 
 def test_batches_shuffle_each_epoch_and_cover_every_row_once():
@@ -1142,6 +1151,20 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     assert "skipping a line cut short" in capsys.readouterr().err
 
 
+def test_checkpoint_files_and_directories_are_fsynced_before_and_after_the_renames(tmp_path, monkeypatch):
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a), str(b))) or real_replace(a, b))
+    final = checkpoint.save(str(tmp_path), model, tokenizer, {"step": 1})
+    rename = events.index(("replace", final + ".tmp", final))
+    synced_before = {path for kind, path, *_ in events[:rename] if kind == "fsync"}
+    files = {os.path.join(final + ".tmp", name) for name in os.listdir(final)}
+    assert files | {final + ".tmp"} <= synced_before and len(files) >= 4  # every file, then the directory
+    assert ("fsync", str(tmp_path)) in events[rename:]  # the rename itself reaches the disk
+
+
 def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the_old_one(tmp_path):
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     out = str(tmp_path)
@@ -1151,6 +1174,62 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
     assert checkpoint.load_state(checkpoint.find(out))["step"] == 2
     os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))  # as if killed mid-swap
     assert checkpoint.find(out).endswith("checkpoint.old")
+
+
+def nan_loss_in_steps(monkeypatch, steps):
+    """grpo_loss returns NaN (through the graph, so the gradients are NaN too) during the given 1-based steps."""
+    real, calls = grpo.grpo_loss, []
+
+    def loss(*args, **kwargs):
+        calls.append(1)
+        out = real(*args, **kwargs)
+        return out * float("nan") if (len(calls) + 1) // 2 in steps else out  # 2 micro-batches per step
+    monkeypatch.setattr(grpo, "grpo_loss", loss)
+
+
+def test_a_nan_loss_skips_the_update_weights_and_adamw_unchanged_and_logs_why(tmp_path, monkeypatch):
+    initial = {k: v.clone() for k, v in demo.model_and_tokenizer(seed=42)[0].state_dict().items()}
+    nan_loss_in_steps(monkeypatch, steps={1})
+    run_tiny(tmp_path, "--steps", "1")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in initial.items())
+    state = checkpoint.load_state(str(tmp_path / "checkpoint"))
+    assert state["optimizer"]["state"] == {} and state["scheduler"]["last_epoch"] == 0  # AdamW never stepped
+    row = read_metrics(tmp_path)[0]
+    assert row["skipped_nonfinite"] == 1 and row["skip_reason"] == "non-finite loss"
+
+
+def test_a_non_finite_gradient_norm_skips_the_update(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
+    run_tiny(tmp_path, "--steps", "1")
+    assert read_metrics(tmp_path)[0]["skip_reason"] == "non-finite gradient norm"
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["optimizer"]["state"] == {}
+
+
+def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weights(tmp_path, monkeypatch):
+    nan_loss_in_steps(monkeypatch, steps={2, 3, 4})
+    with pytest.raises(config.UserError, match="2 optimizer updates in a row were skipped"):
+        run_tiny(tmp_path, "--steps", "5", "--max-nonfinite", "2")
+    rows = read_metrics(tmp_path)
+    assert [r["skipped_nonfinite"] for r in rows] == [0, 1]  # step 3's skip stopped the run before its log line
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 3
+    after_step_1 = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
+    monkeypatch.undo()
+    run_tiny(tmp_path / "one", "--steps", "1")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "checkpoint").state_dict()
+    assert all(torch.equal(after_step_1[k], v) for k, v in reference.items())  # skipped updates changed nothing
+
+
+@pytest.mark.parametrize("bad, message", [(float("nan"), "returned nan for completion 3"),
+                                          (float("inf"), "returned inf for completion 3"),
+                                          ("short", "must return one number per completion (16)")])
+def test_a_reward_that_is_not_finite_stops_the_run_naming_the_function_and_saves(tmp_path, bad, message):
+    def reward(completions, answers):
+        return [1.0] * 15 if bad == "short" else [0.0, 1.0, 0.0, bad] + [0.0] * (len(completions) - 4)
+    with pytest.raises(config.UserError, match="reward function 'correctness' ") as info:
+        run_tiny(tmp_path, reward=reward)
+    assert message in str(info.value)
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 0  # before any update: redo step 1
 
 
 @pytest.mark.parametrize("case", ["eos_first", "no_eos", "all_groups_zero_std"])
@@ -1338,19 +1417,22 @@ def bad_input_cases(tmp_path):
         "eval limit 0": (["--eval-limit", "0"], ["--eval-limit must be at least 1"]),
         "negative early stop": (["--stop-when-zero-std", "-1"], ["--stop-when-zero-std must be at least 0"]),
         "plot without metrics": (["--plot", str(tmp_path)], ["no metrics.jsonl"]),
+        "negative seed": (["--seed", "-1"], ["--seed must be at least 0, got -1"]),
+        "output dir is a file": (["--data", good, "--output-dir", good], ["is a file, not a directory"]),
         "nothing to resume": (tiny_argv(tmp_path / "empty", "--resume"), ["no checkpoint"]),
     }
 
 
 @pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",
                                   "malformed data", "micro-batch not whole groups", "eval limit 0",
-                                  "negative early stop", "plot without metrics",
+                                  "negative early stop", "plot without metrics", "negative seed",
+                                  "output dir is a file",
                                   "nothing to resume"])
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
     argv, expected = bad_input_cases(tmp_path)[case]
     with pytest.raises(SystemExit) as exit_info:
-        train.main(argv + ["--output-dir", str(tmp_path / "run")])
+        train.main(["--output-dir", str(tmp_path / "run")] + argv)  # a case's own --output-dir wins
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.strip().count("\n") == 0

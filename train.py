@@ -11,6 +11,7 @@ The flags are in config.py, the math in grpo.py, generation and log-probs in sam
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
           f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G={G}, "
           f"mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
-    times, zero_std_streak, stop = [], 0, False
+    times, zero_std_streak, stop, nonfinite = [], 0, False, 0
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
         try:
@@ -69,20 +70,17 @@ def train(args, task, model, tokenizer, resume_dir=None):
                 updates.append(stats)
                 if old_logps is None and args.num_iterations > 1:
                     old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
+                nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
             eta = np.mean(times) * (args.steps - step - 1)
             metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], eta)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
             if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
                 print_sample(step + 1, prompts[0], responses[0], reward[0].item(), answers[0])
-            zero_std_streak = zero_std_streak + 1 if metrics["frac_zero_std"] == 1 else 0
-            stop = 0 < args.stop_when_zero_std <= zero_std_streak and step + 1 < args.steps
-            if stop:
-                print(f"stopping after step {step + 1}: {zero_std_streak} steps in a row had no reward spread in any "
-                      "group (--stop-when-zero-std); README, Results: what to do then.", flush=True)
+            zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
             save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
-        except KeyboardInterrupt:
-            checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start)
+        except (KeyboardInterrupt, UserError) as e:  # Ctrl-C, or a run that cannot go on: keep what it learned
+            checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start, stopped_by=e)
             raise
         evaluate_if_due(run, task, args, step + 1, stop)
         if stop:
@@ -137,25 +135,55 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
         totals["loss"] += loss.item()
         for k in ("tokens", "kl", "clipped", "ratio"):
             totals[k] += stats[k]
-    grad_norm = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm)
+    grad_norm, skipped = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"])
     tokens = max(totals["tokens"], 1)
     return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
-                ratio=totals["ratio"] / tokens, grad_norm=float(grad_norm), lr=lr), logps_before
+                ratio=totals["ratio"] / tokens, grad_norm=float(grad_norm), lr=lr, skipped=skipped), logps_before
 
 
-def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm):
+def count_zero_std(streak, frac_zero_std, args, done):
+    """Steps in a row with no reward spread in any group, and whether --stop-when-zero-std ends the run at `done`."""
+    streak = streak + 1 if frac_zero_std == 1 else 0
+    stop = 0 < args.stop_when_zero_std <= streak and done < args.steps
+    if stop:
+        print(f"stopping after step {done}: {streak} steps in a row had no reward spread in any group "
+              "(--stop-when-zero-std); README, Results: what to do then.", flush=True)
+    return streak, stop
+
+
+def count_nonfinite(streak, stats, limit):
+    """Updates in a row skipped for a non-finite loss or gradient; at `limit` a UserError, and train() saves the
+    weights, the last good ones (skipped updates change nothing)."""
+    streak = streak + 1 if (stats["skipped"] or "").startswith("non-finite") else 0
+    if streak >= limit:
+        raise UserError(f"{streak} optimizer updates in a row were skipped ({stats['skipped']}; --max-nonfinite "
+                        f"{limit}). The weights are the last good ones and are saved in the output directory. "
+                        "Check the rewards and the data, lower --lr, or use --dtype bf16/fp32 instead of fp16.")
+    return streak
+
+
+def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0):
     """Clip the global gradient norm (returned as it was before clipping), step AdamW (through fp16's loss scaler
-    when there is one) and the LR schedule."""
+    when there is one) and the LR schedule. A non-finite loss or gradient norm skips the update instead, so no NaN
+    reaches the weights: weights, AdamW state and schedule stay as they were (fp16's scaler lowers its scale, as it
+    does on any overflow). Returns (grad norm, why the update was skipped or None)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update()
+        if not math.isfinite(loss):
+            return grad_norm, "non-finite loss"
+        return grad_norm, "fp16 overflow" if scaler is not None else "non-finite gradient norm"
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     scheduler.step()
-    return grad_norm
+    return grad_norm, None
 
 
 @torch.no_grad()
@@ -193,8 +221,22 @@ def trim(rollouts, rows):
 
 
 def score(completions, answers, reward_fns):
-    """Total reward [N] = Σ weight · fn(completions, answers), and each function's rewards {name: [N]}."""
-    per_fn = {r.name: torch.tensor(r.fn(completions, answers), dtype=torch.float32) for r in reward_fns}
+    """Total reward [N] = Σ weight · fn(completions, answers), and each function's rewards {name: [N]}. A reward
+    that is not one finite number per completion stops the run here (UserError), naming the function."""
+    per_fn = {}
+    for r in reward_fns:
+        values = r.fn(completions, answers)
+        try:
+            per_fn[r.name] = torch.tensor(values, dtype=torch.float32).reshape(len(completions))
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"reward function {r.name!r} must return one number per completion ({len(completions)}); "
+                            f"it returned {str(values)[:200]}") from None
+        bad = (~torch.isfinite(per_fn[r.name])).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise UserError(f"reward function {r.name!r} returned {values[i]} for completion {i}: rewards must be "
+                            f"finite numbers (NaN or inf would reach the weights). The completion began: "
+                            f"{completions[i][:200]!r}")
     return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
 
 
@@ -221,7 +263,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             if len(rows) > batch_size:  # a progress line per generate call
                 print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {format_seconds(time.time() - t0)}", flush=True)
     if not chunks:
-        return {}
+        return {}  # no questions
     table = {name: torch.cat([c[name] for c in chunks]).view(len(rows), samples) for name in chunks[0]}  # [Q, k]
     result = {name: r.mean().item() for name, r in table.items()}
     if samples > 1:
@@ -249,9 +291,8 @@ def evaluate_if_due(run, task, args, step, last=False):
 def evaluate_as_flagged(model, tokenizer, task, args):
     """evaluate() with the --eval-* flags."""
     settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
-    seed = args.seed if args.eval_seed is None else args.eval_seed
     return evaluate(model, tokenizer, task, settings, args.eval_samples, args.eval_limit, args.eval_batch_size,
-                    seed, sampling.AMP[args.dtype])
+                    args.seed if args.eval_seed is None else args.eval_seed, sampling.AMP[args.dtype])
 
 
 def save_if_due(run, task, args, done, last=False):
@@ -267,6 +308,7 @@ def save_if_due(run, task, args, done, last=False):
 
 
 def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
+    skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
     lengths = rollouts.completion_mask.sum(1).float()
     groups = reward.view(-1, rollouts.group_size)
     return dict(
@@ -280,7 +322,8 @@ def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
         grad_norm=float(np.mean([u["grad_norm"] for u in updates])),
         completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
         frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
-        lr=updates[0]["lr"], step_time=seconds, tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta))
+        lr=updates[0]["lr"], step_time=seconds, tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
+        skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
 
 
 def log_step(path, step, args, m, reward_names):
@@ -289,7 +332,9 @@ def log_step(path, step, args, m, reward_names):
     print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
           f"{per_fn} | acc {m['accuracy']:.3f}{kl} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f}/"
           f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
-          f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}", flush=True)
+          f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
+          + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
+          flush=True)
     write_log(path, {"step": step, **m})
 
 
