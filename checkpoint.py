@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +140,8 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the weights and optimizer are
     those of the end of the last step: save them with the RNG as it was then, so --resume redoes this step exactly.
     After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
+    if isinstance(stopped_by, SaveFailed):
+        return  # the save itself failed: the last checkpoint stands
     done = step + 1 if updated else step
     why = "stopped" if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt) else "interrupted"
     print(f"\n{why}: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
@@ -194,17 +197,36 @@ def save(output_dir, model, tokenizer, training_state):
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(training_state, os.path.join(tmp, "training_state.pt"))
-    fsync_tree(tmp)  # on disk before the renames: a power loss cannot leave a renamed but empty file
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(training_state, os.path.join(tmp, "training_state.pt"))
+        fsync_tree(tmp)  # on disk before the renames: a power loss cannot leave a renamed but empty file
+    except OSError as e:  # a full disk (ENOSPC), a quota: the previous checkpoint was not touched
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"the previous checkpoint, {find(output_dir)}, is intact" if find(output_dir) else "no checkpoint is kept"
+        raise SaveFailed(f"could not write a checkpoint into {tmp}: {e.strerror or e}. Nothing was replaced: {kept}. "
+                         "Free space (or pass another --output-dir) and rerun with --resume.") from None
+    fault_injection_pause()
     if os.path.isdir(final):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
+        fault_injection_pause()
     os.replace(tmp, final)
     fsync_tree(output_dir, files=False)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class SaveFailed(UserError):
+    """Writing a checkpoint failed; the previous one is untouched (and there is nothing new to save on the way out)."""
+
+
+def fault_injection_pause():
+    """GRPO_SAVE_PAUSE=SECONDS widens the moments between a save's steps, so the fault-injection test's random
+    SIGKILLs land inside saves often (test_grpo.py, test_sigkill_at_random_moments_...). Unset: no pause."""
+    if os.environ.get("GRPO_SAVE_PAUSE"):
+        time.sleep(float(os.environ["GRPO_SAVE_PAUSE"]))
 
 
 def fsync_tree(directory, files=True):

@@ -6,12 +6,14 @@ Tolerances: values computed in fp32 from a handful of exp/log ops agree with the
 1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals themselves have 6 places).
 """
 import dataclasses
+import errno
 import functools
 import io
 import json
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 import urllib.error
@@ -1149,6 +1151,59 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     run_tiny(tmp_path / "run", "--steps", "3", "--save-every", "1", "--resume")
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
     assert "skipping a line cut short" in capsys.readouterr().err
+
+
+FAULT_ARGV = ["--demo", "--demo-warmup-steps", "0", "--steps", "12", "--batch-size", "2", "--gradient-accumulation-steps",
+              "2", "--num-generations", "4", "--num-iterations", "2", "--save-every", "1", "--eval-every", "4",
+              "--eval-limit", "4", "--eval-samples", "2", "--sample-every", "0"]
+
+
+def train_subprocess(out_dir, env, kill_after=None):
+    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint). kill_after:
+    SIGKILL it that many seconds after its first line about training ("GRPO: ..."), unless it finished first."""
+    argv = [*FAULT_ARGV, "--output-dir", str(out_dir)] + (["--resume"] if checkpoint.find(str(out_dir)) else [])
+    log, started = f"{out_dir}.log", lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0
+    before = started()
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=HERE, env=env,
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    if kill_after is not None:
+        while proc.poll() is None and started() == before:
+            time.sleep(0.05)
+        time.sleep(kill_after)
+        proc.kill()
+    return proc.wait()
+
+
+def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(tmp_path):
+    """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
+    anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
+    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")  # 12 steps: about 6 s after "GRPO:"
+    assert train_subprocess(tmp_path / "straight", env) == 0
+    rng, kills = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))), int(os.environ.get("GRPO_KILLS", "3"))
+    codes = [train_subprocess(tmp_path / "killed", env, kill_after=rng.uniform(0.1, 1.5)) for _ in range(kills)]
+    assert codes[:3] == [-9] * min(kills, 3)  # really killed (later ones may find the run finished: code 0)
+    assert train_subprocess(tmp_path / "killed", env) == 0  # the last resume runs to the end
+    straight, killed = tmp_path / "straight" / "checkpoint", tmp_path / "killed" / "checkpoint"
+    assert (killed / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+    assert without_time(read_metrics(tmp_path / "killed")) == without_time(read_metrics(tmp_path / "straight"))
+    assert checkpoint.load_state(str(killed))["step"] == 12
+
+
+def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint's training_state.pt
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(checkpoint.SaveFailed, match="No space left on device. Nothing was replaced: the previous "
+                                                    "checkpoint, .*checkpoint, is intact"):
+        run_tiny(tmp_path, "--steps", "3", "--save-every", "1")
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "metrics.jsonl"]  # no checkpoint.tmp left behind
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")  # loadable
 
 
 def test_checkpoint_files_and_directories_are_fsynced_before_and_after_the_renames(tmp_path, monkeypatch):
