@@ -2,9 +2,9 @@
 schedule, all set up fresh or resumed from a checkpoint; models loaded by name or directory.
 
 OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
-training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written into checkpoint.tmp and
-renamed into place. A run's data position needs no saving: the batch of step s is a pure function of the seed and s
-(data.batch_at); its evaluations are read back from metrics.jsonl.
+training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written
+into checkpoint.tmp, fsynced and renamed into place. A run's data position needs no saving: the batch of step s is a
+pure function of the seed and s (data.batch_at); its evaluations are read back from metrics.jsonl.
 """
 import copy
 import json
@@ -97,6 +97,7 @@ def start(args, model, tokenizer, resume_dir=None):
     step = 0
     if resume_dir is not None:
         state = load_state(resume_dir)
+        check_same_flags(state["args"], args)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state.get("scaler"):
@@ -106,6 +107,24 @@ def start(args, model, tokenizer, resume_dir=None):
         print(f"resumed from {resume_dir} at step {step}")
     log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
     return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals)
+
+
+# The flags a resumed run may change (README: Checkpoints and resume). Every other flag must be the checkpoint's: the
+# run would otherwise not continue the one it resumes. Paths may move; --steps stretches or shortens the LR schedule.
+MAY_CHANGE_ON_RESUME = {"resume", "steps", "eval_every", "save_every", "sample_every", "eval_only", "eval_limit",
+                        "eval_samples", "eval_temperature", "eval_seed", "eval_batch_size", "eval_data",
+                        "stop_when_zero_std", "max_nonfinite", "plot", "output_dir", "model", "data", "device"}
+
+
+def check_same_flags(saved, args):
+    """UserError naming every flag (outside MAY_CHANGE_ON_RESUME) whose value differs from the checkpoint's."""
+    differ = [k for k, v in sorted(vars(args).items())
+              if k not in MAY_CHANGE_ON_RESUME and k in saved and saved[k] != v]
+    if differ:
+        changes = "; ".join(f"--{k.replace('_', '-')} was {saved[k]!r}, now {getattr(args, k)!r}" for k in differ)
+        raise UserError(f"--resume: flags differ from the checkpoint's ({changes}). Pass them as they were to continue "
+                        "that run, or start a new one in another --output-dir. May change on resume: "
+                        + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(MAY_CHANGE_ON_RESUME)) + ".")
 
 
 def reference_model(model, beta, dtype, device, copy_model=True):
@@ -204,7 +223,8 @@ def save(output_dir, model, tokenizer, training_state):
         fsync_tree(tmp)  # on disk before the renames: a power loss cannot leave a renamed but empty file
     except OSError as e:  # a full disk (ENOSPC), a quota: the previous checkpoint was not touched
         shutil.rmtree(tmp, ignore_errors=True)
-        kept = f"the previous checkpoint, {find(output_dir)}, is intact" if find(output_dir) else "no checkpoint is kept"
+        previous = find(output_dir)
+        kept = f"the previous checkpoint, {previous}, is intact" if previous else "no checkpoint is kept"
         raise SaveFailed(f"could not write a checkpoint into {tmp}: {e.strerror or e}. Nothing was replaced: {kept}. "
                          "Free space (or pass another --output-dir) and rerun with --resume.") from None
     fault_injection_pause()

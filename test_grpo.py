@@ -1153,15 +1153,16 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     assert "skipping a line cut short" in capsys.readouterr().err
 
 
-FAULT_ARGV = ["--demo", "--demo-warmup-steps", "0", "--steps", "12", "--batch-size", "2", "--gradient-accumulation-steps",
-              "2", "--num-generations", "4", "--num-iterations", "2", "--save-every", "1", "--eval-every", "4",
-              "--eval-limit", "4", "--eval-samples", "2", "--sample-every", "0"]
+FAULT_ARGV = ["--demo", "--demo-warmup-steps", "0", "--batch-size", "2",
+              "--gradient-accumulation-steps", "2", "--num-generations", "4", "--num-iterations", "2", "--save-every",
+              "1", "--eval-every", "4", "--eval-limit", "4", "--eval-samples", "2", "--sample-every", "0"]
 
 
-def train_subprocess(out_dir, env, kill_after=None):
+def train_subprocess(out_dir, env, steps, kill_after=None):
     """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint). kill_after:
     SIGKILL it that many seconds after its first line about training ("GRPO: ..."), unless it finished first."""
-    argv = [*FAULT_ARGV, "--output-dir", str(out_dir)] + (["--resume"] if checkpoint.find(str(out_dir)) else [])
+    argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
+    argv += ["--resume"] if checkpoint.find(str(out_dir)) else []
     log, started = f"{out_dir}.log", lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0
     before = started()
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=HERE, env=env,
@@ -1177,16 +1178,26 @@ def train_subprocess(out_dir, env, kill_after=None):
 def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(tmp_path):
     """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
     anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
-    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")  # 12 steps: about 6 s after "GRPO:"
-    assert train_subprocess(tmp_path / "straight", env) == 0
+    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")  # a step and its save: about 0.5 s
     rng, kills = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))), int(os.environ.get("GRPO_KILLS", "3"))
-    codes = [train_subprocess(tmp_path / "killed", env, kill_after=rng.uniform(0.1, 1.5)) for _ in range(kills)]
-    assert codes[:3] == [-9] * min(kills, 3)  # really killed (later ones may find the run finished: code 0)
-    assert train_subprocess(tmp_path / "killed", env) == 0  # the last resume runs to the end
+    steps = 4 * kills  # each kill comes within 1.5 s (at most 3 steps) of its process starting to train
+    assert train_subprocess(tmp_path / "straight", env, steps) == 0
+    codes = [train_subprocess(tmp_path / "killed", env, steps, kill_after=rng.uniform(0.1, 1.5)) for _ in range(kills)]
+    assert codes == [-9] * kills  # each one really was killed, before the run could finish
+    assert train_subprocess(tmp_path / "killed", env, steps) == 0  # the last resume runs to the end
     straight, killed = tmp_path / "straight" / "checkpoint", tmp_path / "killed" / "checkpoint"
     assert (killed / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
     assert without_time(read_metrics(tmp_path / "killed")) == without_time(read_metrics(tmp_path / "straight"))
-    assert checkpoint.load_state(str(killed))["step"] == 12
+    assert checkpoint.load_state(str(killed))["step"] == steps
+
+
+def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tmp_path):
+    run_tiny(tmp_path, "--steps", "1")
+    with pytest.raises(config.UserError, match="--resume: flags differ from the checkpoint's \\(--beta was 0.04, "
+                                               "now 0.1; --lr was 0.002, now 0.001\\)"):
+        run_tiny(tmp_path, "--steps", "2", "--resume", "--lr", "1e-3", "--beta", "0.1")
+    run_tiny(tmp_path, "--steps", "2", "--resume", "--save-every", "3", "--sample-every", "1")  # these may change
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
 
 
 def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
