@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 import sampling
 from config import UserError
@@ -83,6 +83,7 @@ def start(args, model, tokenizer, resume_dir=None):
     AdamW, its LR schedule and a resumed run's optimizer, scheduler, RNG and log."""
     ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None)
     if resume_dir is not None and not policy_loaded_from_checkpoint(args, resume_dir):  # π_θ: the checkpoint's
+        check_same_architecture(model.config, AutoConfig.from_pretrained(resume_dir), args.model, resume_dir)
         model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,
                                                      trust_remote_code=args.trust_remote_code)
     model.to(args.device)
@@ -107,6 +108,19 @@ def start(args, model, tokenizer, resume_dir=None):
         print(f"resumed from {resume_dir} at step {step}")
     log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
     return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals)
+
+
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
+
+
+def check_same_architecture(initial, saved, model_name, resume_dir):
+    """UserError when the checkpoint was trained from another model than --model (π_ref and π_θinit come from it)."""
+    differ = [f"{k} {getattr(saved, k, None)} vs {getattr(initial, k, None)}" for k in SHAPE_KEYS
+              if getattr(saved, k, None) != getattr(initial, k, None)]
+    if differ:
+        raise UserError(f"--resume: {resume_dir} holds a different model than --model {model_name} ("
+                        + ", ".join(differ) + "). Pass the --model the run started from.")
 
 
 # The flags a resumed run may change (README: Checkpoints and resume). Every other flag must be the checkpoint's: the

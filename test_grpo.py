@@ -1200,6 +1200,22 @@ def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tm
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
 
 
+def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys):
+    other = tmp_path / "other-model"
+    demo.tiny_llama(len(demo.WORDS), 0, hidden_size=32, intermediate_size=64).save_pretrained(other)
+    demo.word_tokenizer(demo.WORDS).save_pretrained(other)
+    train_file = write_gsm8k(tmp_path / "train.jsonl")
+    argv = ["--data", train_file, "--steps", "1", "--num-generations", "2", "--max-new-tokens", "4", "--eval-every",
+            "-1", "--output-dir", str(tmp_path / "run")]
+    train.main(["--model", tiny_model_dir(tmp_path), *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        train.main(["--model", str(other), *argv, "--resume"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"holds a different model than --model {other}" in err
+    assert "(hidden_size 64 vs 32, intermediate_size 128 vs 64)" in err
+
+
 def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
     real_save, calls = torch.save, []
 
