@@ -68,6 +68,9 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (1.0 = off)")
     g.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = off)")
     g.add_argument("--max-new-tokens", type=int, default=300, help="generation budget per completion")
+    g.add_argument("--max-prompt-length", type=int, default=None,
+                   help="a longer prompt keeps its last N tokens (with a warning); if not given, the model's context "
+                        "length minus --max-new-tokens")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=200,
@@ -184,7 +187,8 @@ def check(args):
                              ("--eval-samples", args.eval_samples, 1), ("--eval-batch-size", args.eval_batch_size, 1),
                              ("--eval-limit", args.eval_limit, 1),
                              ("--stop-when-zero-std", args.stop_when_zero_std, 0),
-                             ("--max-nonfinite", args.max_nonfinite, 1), ("--seed", args.seed, 0),
+                             ("--max-nonfinite", args.max_nonfinite, 1),
+                             ("--max-prompt-length", args.max_prompt_length, 1), ("--seed", args.seed, 0),
                              ("--eval-seed", args.eval_seed, 0)]:
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")

@@ -6,6 +6,7 @@ grpo.py is the math and never sees a model; this file turns a model into what th
 """
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 256
+    max_prompt_length: int | None = None  # longer prompts lose their first tokens; None: the context - max_new_tokens
 
 
 @dataclass
@@ -88,9 +90,15 @@ def is_checkpointing(model):
 # Sampling.
 
 
-def tokenize_prompts(tokenizer, prompts, device):
-    """Each prompt tokenized once, left-padded: ids and mask [B, P]. (Chat templates already hold any BOS.)"""
+def tokenize_prompts(tokenizer, prompts, device, max_length=None):
+    """Each prompt tokenized once, left-padded: ids and mask [B, P]. (Chat templates already hold any BOS.) A prompt
+    longer than max_length keeps its last max_length tokens (its end, where the reply starts), with a warning."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if max_length is not None and enc["input_ids"].shape[1] > max_length:
+        cut = int((enc["attention_mask"].sum(1) > max_length).sum())
+        print(f"warning: {cut} prompt(s) longer than {max_length} tokens lost their first tokens (the model's context "
+              "minus --max-new-tokens, or --max-prompt-length)", file=sys.stderr, flush=True)
+        enc = {k: v[:, -max_length:] for k, v in enc.items()}  # left padding: the last columns are every prompt's end
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
@@ -197,7 +205,9 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, m
     """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)              # [B, P]
+    context = getattr(model.config, "max_position_embeddings", None)
+    limit = settings.max_prompt_length or (context - settings.max_new_tokens if context else None)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)       # [B, P]
     sequences = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id, amp,
                          min_new_tokens)                                                 # [B*G, P+C]
     completion_ids = sequences[:, prompt_ids.shape[1]:]                                  # [B*G, C]

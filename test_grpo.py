@@ -1002,6 +1002,19 @@ def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_
     assert len({tuple(row) for row in once[:, 8:].tolist()}) > 1  # not a degenerate all-equal output
 
 
+@pytest.mark.parametrize("limit, context, expected", [(5, 512, 5), (None, 16, 10), (None, 512, 20)],
+                         ids=["--max-prompt-length 5", "context 16 - 6 new tokens", "fits"])
+def test_a_prompt_longer_than_the_limit_keeps_its_last_tokens_with_a_warning(limit, context, expected, capsys):
+    model = demo.tiny_llama(len(demo.WORDS), 0, max_position_embeddings=context)
+    tokenizer = demo.word_tokenizer(demo.WORDS)
+    prompt = " ".join(demo.WORDS[2:22])  # 20 tokens
+    rollouts = sampling.sample_rollouts(model, tokenizer, [prompt, "3 + 4 ="], sampling.Sampling(
+        max_new_tokens=6, max_prompt_length=limit), group_size=2)
+    P = rollouts.prompt_length
+    assert P == expected and rollouts.input_ids[0, :P].tolist() == tokenizer(prompt).input_ids[-expected:]
+    assert ("1 prompt(s) longer than" in capsys.readouterr().err) == (expected < 20)
+
+
 def test_generation_follows_the_flags_not_the_checkpoints_generation_config():
     settings = sampling.Sampling(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=10)
     ids, mask = left_padded_prompts([4, 6], 97)

@@ -39,7 +39,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
     run = checkpoint.start(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
-    settings = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+    settings = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
     objective = Objective(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level,
                           args.max_new_tokens)
@@ -290,7 +290,8 @@ def evaluate_if_due(run, task, args, step, last=False):
 
 def evaluate_as_flagged(model, tokenizer, task, args):
     """evaluate() with the --eval-* flags."""
-    settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens)
+    settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens,
+                                 args.max_prompt_length)
     return evaluate(model, tokenizer, task, settings, args.eval_samples, args.eval_limit, args.eval_batch_size,
                     args.seed if args.eval_seed is None else args.eval_seed, sampling.AMP[args.dtype])
 
