@@ -170,8 +170,7 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the next policy_update zeroes the gradients first
         if scaler is not None:
             scaler.update()
         if not math.isfinite(loss):
