@@ -27,7 +27,6 @@ from transformers import get_scheduler
 
 import checkpoint
 import config
-import data
 import demo
 import grpo
 import rewards
@@ -187,7 +186,7 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
         rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp,
                                             min_new_tokens=a.max_new_tokens)
     with phase(record, "rewards"):   # 8 and 9: rewards and group-relative advantages
-        reward, _ = train.score(rollouts.texts, answers, task_rewards)
+        reward, _ = rewards.score(task_rewards, rollouts.texts, answers)
         advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
     mask = rollouts.completion_mask
     if int(mask.sum()) != mask.numel():
@@ -215,7 +214,7 @@ def worker_ours(a):
     model.train()
     optimizer = checkpoint.build_optimizer(model, a.lr, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
-    task_rewards = data.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
+    task_rewards = rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
     B = a.batch_size
     prompts = build_prompts((a.warmup + a.steps) * B, a.prompt_len, model.config.vocab_size)
     steps = []

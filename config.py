@@ -10,8 +10,6 @@ import re
 
 import torch
 
-import rewards
-
 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO (DeepSeekMath eq. 3) on GSM8K with a hand-written loop.",
@@ -28,11 +26,21 @@ def add_model_and_grpo_flags(p):
                    help="a local directory, a Hugging Face hub id (owner/name), or a SmolLM2 short name "
                         "(SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, with or without -Instruct; -> HuggingFaceTB/...)")
     g.add_argument("--data", default=None,
-                   help="GSM8K-format train JSONL; if not given, the official train split is downloaded once "
-                        "(into ~/.cache/grpo)")
+                   help="train JSONL: GSM8K's format, or any rows with --prompt-field/--answer-field; if not given, "
+                        "GSM8K's official train split is downloaded once (into ~/.cache/grpo)")
     g.add_argument("--eval-data", default=None,
-                   help="GSM8K-format test JSONL; if not given: test.jsonl beside --data if there is one, "
-                        "else the official test split (downloaded once)")
+                   help="held-out JSONL in the same format as --data; if not given, for GSM8K: test.jsonl beside "
+                        "--data if there is one, else the official test split (downloaded once); for your own task: no "
+                        "evaluation")
+    g.add_argument("--prompt-field", default=None,
+                   help="your own task: the field of each JSONL row holding the prompt (a string); given (or "
+                        "--answer-field), rows are read as they are instead of as GSM8K; default then: prompt")
+    g.add_argument("--answer-field", default=None,
+                   help="your own task: the field holding the reference answer, passed to the reward functions as it "
+                        "is (any JSON value); default with --prompt-field: answer")
+    g.add_argument("--system-prompt", default=None,
+                   help="the system message, as text (\\n decoded) or @FILE; '' for none; if not given, GSM8K's "
+                        "prompt (data.SYSTEM_PROMPT) for GSM8K and none for your own task")
     g.add_argument("--response-prefix", default="",
                    help='text written at the start of every reply, after the chat template\'s generation prompt, '
                         'e.g. "<think>\\n" (\\n and \\t are decoded); the rewards score prefix + completion')
@@ -57,9 +65,16 @@ def add_model_and_grpo_flags(p):
     g.add_argument("--num-iterations", type=int, default=1,
                    help="mu, optimizer updates per batch of samples; >1 keeps the first iteration's log-probs as "
                         "pi_old's")
-    g.add_argument("--reward-weights", default="1.0,1.0",
-                   help="comma-separated weight per reward function, in order: correctness,format "
-                        "(demo: correctness); total reward = weighted sum")
+    g.add_argument("--reward-fn", action="append", metavar="MODULE:FUNCTION", default=[],
+                   help="a reward function fn(completions, answers, **fields) -> list of floats, e.g. "
+                        "my_rewards:brevity (./my_rewards.py), or a built-in: correctness, format; repeatable. "
+                        "Given, it replaces the task's own rewards (GSM8K: correctness and format; demo: correctness)")
+    g.add_argument("--reward-model", action="append", metavar="PATH_OR_ID", default=[],
+                   help="a sequence classifier with one output scoring prompt + response, as one more reward; "
+                        "repeatable or comma-separated")
+    g.add_argument("--reward-weights", default=None,
+                   help="comma-separated weights, in the order: reward functions, then reward models; if not given, "
+                        "every weight is 1.0; total reward = weighted sum")
 
 
 def add_sampling_and_optimization_flags(p):
@@ -143,7 +158,7 @@ def add_run_flags(p):
 # G=8 per step and mu=4 updates per batch (generation dominates a tiny model's step, so reusing samples is cheap).
 DEMO_DEFAULTS = dict(model="demo", steps=150, batch_size=8, gradient_accumulation_steps=2, num_generations=8,
                      num_iterations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, lr=2e-3, beta=0.04,
-                     reward_weights="1.0", eval_every=50, eval_samples=4, eval_temperature=1.0, eval_batch_size=100,
+                     eval_every=50, eval_samples=4, eval_temperature=1.0, eval_batch_size=100,
                      save_every=0, sample_every=50)
 
 
@@ -204,18 +219,36 @@ def check(args):
     if args.beta < 0 or args.epsilon <= 0:
         raise UserError(f"--beta must be >= 0 and --epsilon > 0, got beta={args.beta}, epsilon={args.epsilon}.")
     args.response_prefix = decode_escapes(args.response_prefix)
-    try:
-        args.reward_weights = [float(w) for w in str(args.reward_weights).split(",")]
-    except ValueError:
-        raise UserError(f"--reward-weights must be comma-separated numbers, got {args.reward_weights!r}.") from None
-    names = ["correctness"] if args.demo else list(rewards.REWARD_FUNCS)
-    if len(args.reward_weights) != len(names):
-        raise UserError(f"--reward-weights needs one weight per reward function ({','.join(names)}): "
-                        f"{len(names)} numbers, got {len(args.reward_weights)}.")
+    check_task_flags(args)
     local = os.path.abspath(os.path.expanduser(args.model))
     if not args.demo and args.model.startswith((".", "/", "~")) and not os.path.isdir(local):
         raise UserError(f"--model {args.model!r} looks like a local path, but {local} is not a directory. Pass the "
                         "directory holding config.json and the weights, a hub id, or a SmolLM2 short name.")
+
+
+def check_task_flags(args):
+    """The flags that describe the task: --reward-weights becomes a list of floats (or None), --reward-fn and
+    --reward-model lists of values (commas split), --system-prompt its text (@FILE read)."""
+    try:
+        args.reward_weights = None if args.reward_weights is None else [
+            float(w) for w in str(args.reward_weights).split(",")]
+    except ValueError:
+        raise UserError(f"--reward-weights must be comma-separated numbers, got {args.reward_weights!r}.") from None
+    args.reward_fn = [v.strip() for value in args.reward_fn for v in value.split(",") if v.strip()]
+    args.reward_model = [v.strip() for value in args.reward_model for v in value.split(",") if v.strip()]
+    custom = [f for f in ("data", "eval_data", "prompt_field", "answer_field", "system_prompt")
+              if getattr(args, f) is not None]
+    if args.demo and custom:
+        raise UserError(f"--demo brings its own task; drop --{custom[0].replace('_', '-')} (--reward-fn and "
+                        "--reward-model do work with --demo).")
+    if args.system_prompt is not None and args.system_prompt.startswith("@"):
+        try:
+            with open(os.path.expanduser(args.system_prompt[1:]), encoding="utf-8") as f:
+                args.system_prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--system-prompt {args.system_prompt}: could not read the file ({e}).") from None
+    elif args.system_prompt is not None:
+        args.system_prompt = decode_escapes(args.system_prompt)
 
 
 def decode_escapes(text):

@@ -9,6 +9,7 @@ function of the step, so a resumed run continues with exactly the batches it wou
 state to save); each row's question goes through task.prompt, and its answer (the reference number) is
 repeated G times beside the G completions that the reward functions score.
 """
+import functools
 import json
 import os
 import re
@@ -16,25 +17,21 @@ import tempfile
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-
-class Reward(NamedTuple):
-    """One reward function and its weight: fn(completions, answers) -> one float per completion (see rewards.py)."""
-    name: str          # the name it is logged under: rewards/<name>, eval/<name>
-    fn: Callable
-    weight: float      # the total reward is the weighted sum of all the task's reward functions
+import rewards
+from config import UserError
 
 
 @dataclass
 class Task:
     """What train() learns from. The demo, GSM8K and your own task enter the same way."""
-    train: list        # rows {"question": str, "answer": str}; the answer is what the reward functions compare with
+    train: list        # rows {"question": the prompt's text, "answer": the reference the reward functions compare with,
+                       #       and optionally "fields": {the row's other fields}}
     eval: list         # held-out rows of the same form ([] when evaluation is off)
     prompt: Callable   # (tokenizer, question) -> the text the policy continues
-    rewards: list      # [Reward]
+    rewards: list      # [rewards.Reward]
     response_prefix: str = ""  # written at the start of every reply, e.g. "<think>\n": the policy continues after it
 
     def query(self, tokenizer, question):
@@ -45,10 +42,19 @@ class Task:
         """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
         return [self.response_prefix + c for c in completions]
 
+    def score(self, rows, completions, G=1):
+        """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G first, as
+        sampled) and each function's {name: [N]}. The functions see the responses (prefix + completion) and each
+        row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each."""
+        rows = [row for row in rows for _ in range(G)]
+        columns = {name: [row.get("fields", {}).get(name) for row in rows] for name in field_names(rows)}
+        columns["prompts"] = [row["question"] for row in rows]
+        return rewards.score(self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns)
 
-def weighted(named_fns, weights):
-    """[Reward] from [(name, fn)] and one weight each."""
-    return [Reward(name, fn, float(w)) for (name, fn), w in zip(named_fns, weights, strict=True)]
+
+def field_names(rows):
+    """The names of the rows' other fields: what a reward function may declare besides `prompts`."""
+    return sorted({name for row in rows for name in row.get("fields", {})})
 
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
@@ -99,6 +105,38 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
             raise ValueError(f"GSM8K has splits 'train' and 'test', not {split!r}")
         path = _download(split)
     rows = []
+    for where, row in read_jsonl(path):
+        for field in ("question", "answer"):
+            if not isinstance(row.get(field), str):
+                raise ValueError(f"{where}: missing string field {field!r}")
+        if "####" not in row["answer"]:
+            raise ValueError(f"{where}: answer has no '####' final-answer marker")
+        final = row["answer"].split("####")[-1].strip().replace(",", "")
+        if not _GOLD.fullmatch(final):
+            raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
+        rows.append({"question": row["question"], "answer": final})
+    return rows
+
+
+def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
+    """Your own task's rows from any JSONL file, taken as they are: {"question": row[prompt_field] (a string),
+    "answer": row[answer_field] (any JSON value), "fields": every other field}. Errors as in load_gsm8k."""
+    rows = []
+    for where, row in read_jsonl(path):
+        if not isinstance(row.get(prompt_field), str):
+            got = "missing" if prompt_field not in row else f"a {type(row[prompt_field]).__name__}, not a string"
+            raise ValueError(f"{where}: the prompt field {prompt_field!r} is {got} (fields: {', '.join(row)})")
+        if answer_field not in row:
+            raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(row)})")
+        others = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        rows.append({"question": row[prompt_field], "answer": row[answer_field], "fields": others})
+    return rows
+
+
+def read_jsonl(path):
+    """(where, row) for each JSON object of a JSONL file, where = "file:line". A malformed line raises ValueError
+    naming file:line; blank lines are skipped; a file with no rows is an error too."""
+    count = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -110,18 +148,10 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
                 raise ValueError(f"{where}: malformed JSON ({e})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for field in ("question", "answer"):
-                if not isinstance(row.get(field), str):
-                    raise ValueError(f"{where}: missing string field {field!r}")
-            if "####" not in row["answer"]:
-                raise ValueError(f"{where}: answer has no '####' final-answer marker")
-            final = row["answer"].split("####")[-1].strip().replace(",", "")
-            if not _GOLD.fullmatch(final):
-                raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
-            rows.append({"question": row["question"], "answer": final})
-    if not rows:
+            count += 1
+            yield where, row
+    if not count:
         raise ValueError(f"{path}: no rows (empty file)")
-    return rows
 
 
 # Our wording of the template in Pramodith's GRPO trainer blog: the task, the two tags, then one worked example.
@@ -138,19 +168,76 @@ Joel starts with 24 cookies. After giving 8 away he has 24 - 8 = 16. After eatin
 
 
 def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """The text the policy continues: system prompt plus "Question: ..." in the tokenizer's chat format.
+    """GSM8K's prompt: the system prompt, then "Question: ...", in the tokenizer's chat format (see chat_prompt);
+    without a chat template the plain text ends with a line "Answer:" and a newline."""
+    return chat_prompt(tokenizer, f"Question: {question}", system_prompt, plain_end="\nAnswer:\n")
+
+
+def chat_prompt(tokenizer, user: str, system_prompt: str = "", plain_end: str = "\n") -> str:
+    """The text the policy continues: the system prompt (none when empty) and the user's message.
 
     With a chat template this is `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, so
     the text ends where the assistant's reply begins. A tokenizer without one (base models) gets
     plain text instead: its BOS token if it has one (prompts are tokenized without special tokens, so
-    nothing else would add it), the system prompt, a blank line, "Question: ...", then a line "Answer:"
-    and a newline, so the model starts its reply on a fresh line.
+    nothing else would add it), the system prompt and a blank line, the user's text, then `plain_end`,
+    so the model starts its reply on a fresh line.
     """
-    user = f"Question: {question}"
     if getattr(tokenizer, "chat_template", None) is None:  # a base model: its BOS first, as its pretraining saw
-        return f"{getattr(tokenizer, 'bos_token', None) or ''}{system_prompt}\n\n{user}\nAnswer:\n"
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        system = f"{system_prompt}\n\n" if system_prompt else ""
+        return f"{getattr(tokenizer, 'bos_token', None) or ''}{system}{user}{plain_end}"
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return tokenizer.apply_chat_template(system + [{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def task_from_flags(args):
+    """The task that --data describes, with its default rewards (rewards.from_flags applies --reward-fn etc.):
+    GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or, with --prompt-field or
+    --answer-field, any JSONL (rows as they are, no system prompt unless --system-prompt). Held-out rows come from
+    --eval-data; for GSM8K without it, test.jsonl beside --data (or the official test split)."""
+    custom = args.prompt_field is not None or args.answer_field is not None
+    need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
+    eval_path = args.eval_data
+    if custom:
+        if args.data is None and need_train:
+            raise UserError("--prompt-field/--answer-field describe the rows of your own JSONL file: pass it with "
+                            "--data PATH.")
+        if eval_path is None and need_eval:
+            if args.eval_only:
+                raise UserError("--eval-only on your own task needs its held-out rows: --eval-data PATH.")
+            print("no --eval-data: this task is not GSM8K, so there is no evaluation. To measure on held-out rows, "
+                  "pass a JSONL file of them in the same format with --eval-data.", flush=True)
+        read = functools.partial(load_jsonl, prompt_field=args.prompt_field or "prompt",
+                                 answer_field=args.answer_field or "answer")
+        prompt = functools.partial(chat_prompt, system_prompt=args.system_prompt or "")
+    else:
+        if eval_path is None and args.data is not None:  # --data .../train.jsonl: use the test.jsonl beside it
+            beside = os.path.join(os.path.dirname(os.path.abspath(args.data)), "test.jsonl")
+            eval_path = beside if os.path.isfile(beside) and os.path.abspath(args.data) != beside else None
+        read = None
+        system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+        prompt = functools.partial(build_prompt, system_prompt=system)
+    return Task(train=load_rows("train", args.data, "--data", read) if need_train else [],
+                eval=load_rows("test", eval_path, "--eval-data", read) if need_eval and (eval_path or not custom)
+                else [], prompt=prompt, rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]))
+
+
+def load_rows(split, path, flag, read=None):
+    """The rows of `path` through `read` (your own task's reader), or GSM8K's `split`: any problem is a UserError
+    naming the flag, and for a bad row its file:line."""
+    what = "your task's" if read is not None else "the GSM8K"
+    form = ('a JSON object with a "question" string and an "answer" string ending in "#### <number>"' if read is None
+            else "a JSON object with the --prompt-field (a string) and the --answer-field")
+    if path is not None and not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such file. Pass a JSONL file with one {form} per line.")
+    try:
+        return read(path) if read is not None else load_gsm8k(split, path=path)
+    except ValueError as e:  # "path:12: malformed JSON (...)"
+        raise UserError(f"could not load {what} {split} data: {e}. Each line of {flag} must be {form}.") from None
+    except (OSError, RuntimeError) as e:  # unreadable file, or no network for the download
+        hint = " (or --eval-every -1 to skip evaluation)" if split == "test" else ""
+        raise UserError(f"could not load {what} {split} data: {e} Pass a local file with {flag} PATH{hint}."
+                        ) from None
 
 
 def batch_at(rows: list, batch_size: int, seed: int, step: int) -> list:

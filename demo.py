@@ -47,7 +47,7 @@ def model_and_tokenizer(seed):
     return tiny_llama(len(WORDS), seed, max_position_embeddings=512), word_tokenizer(WORDS)
 
 
-def setup(seed, warmup_steps, target_accuracy, reward_weights=(1.0,)):
+def setup(seed, warmup_steps, target_accuracy):
     """The demo's model (warmed up), tokenizer and task. One thread: a model this small gains nothing from
     intra-op parallelism, and spinning OpenMP threads slow it down many times over on a shared machine."""
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def setup(seed, warmup_steps, target_accuracy, reward_weights=(1.0,)):
     print(f"demo: a {sum(p.numel() for p in model.parameters()):,}-parameter Llama; supervised warm-up stopped after "
           f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}", flush=True)
     task = data.Task(train=problems, eval=problems, prompt=lambda tokenizer, question: question,
-                     rewards=data.weighted([("correctness", rewards.correctness_reward)], reward_weights))
+                     rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]))
     return model, tokenizer, task
 
 

@@ -1,14 +1,17 @@
-"""Verifiable rewards for GSM8K completions: correctness, format, and DAPO's overlong penalty.
+"""Rewards: GSM8K's verifiable correctness and format, DAPO's overlong penalty, your own functions loaded by
+--reward-fn MODULE:FUNCTION, reward models (--reward-model), and score(), which runs them all on a batch.
 
 The reward-function contract: a reward function is any callable
 
-    reward(completions: list[str], answers: list[str]) -> list[float]
+    reward(completions: list[str], answers: list, **fields) -> list[float]
 
-with one float per completion. `completions` are the generated texts only (no prompt); `answers`
-are the reference numbers from data.load_gsm8k, in the same order. A task (data.Task) lists such
-functions with weights; train.py adds them up (total = sum of weight * reward) and logs each one
-separately under its name (see REWARD_FUNCS). A function that needs no reference, like
-format_reward, still takes `answers` and ignores it.
+with one float per completion. `completions` are the responses (the --response-prefix, then the generated text;
+no prompt); `answers` are the rows' reference answers (GSM8K: the final number), in the same order. A function may
+also declare keyword parameters, and then gets them as lists aligned with the completions: `prompts` (each row's
+prompt as the data gives it, before the chat template) and any other field of the data rows, by its name (a
+`**kwargs` parameter gets them all). A task (data.Task) lists such functions with weights; train.py adds them up
+(total = sum of weight * reward) and logs each one separately under its name (see REWARD_FUNCS). A function that
+needs no reference, like format_reward, still takes `answers` and ignores it.
 
 overlong_penalty does not fit the contract: it scores token lengths, not texts, and train.py does
 not apply it. It is here for a reward that knows the lengths (the completion mask's row sums).
@@ -19,9 +22,19 @@ Tags are found with str.find/str.rfind and numbers with one regex without nested
 the work grows linearly with the length of the text (no catastrophic backtracking, unlike a
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
+import importlib
+import inspect
+import os
 import re
-from collections.abc import Iterable
+import sys
+import traceback
+from collections.abc import Callable, Iterable
 from decimal import Decimal
+from typing import NamedTuple
+
+import torch
+
+from config import UserError
 
 THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
 
@@ -146,3 +159,222 @@ def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int)
 
 # The rewards that fit the contract, by the names train.py uses for flags and logging.
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Your own rewards: --reward-fn MODULE:FUNCTION and --reward-model PATH_OR_ID, and score(), which calls them all.
+
+
+def load_reward_fn(spec):
+    """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format) or MODULE:FUNCTION, imported
+    with the working directory first on the import path (so my_rewards.py beside you works as my_rewards:brevity).
+    The function is logged under its own name. Anything that cannot work is a UserError now, not at step 1."""
+    if spec in REWARD_FUNCS:
+        return spec, REWARD_FUNCS[spec]
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise UserError(f"--reward-fn {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
+                        f"brevity in ./my_rewards.py) or a built-in: {', '.join(REWARD_FUNCS)}.")
+    if os.getcwd() not in sys.path[:1]:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise UserError(f"--reward-fn {spec!r}: importing {module_name} failed: {e}.") from None
+        raise UserError(f"--reward-fn {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+                        f".py in the working directory ({os.getcwd()}) or on the import path.") from None
+    except Exception as e:  # a syntax error in the user's file, or an error it raises when imported
+        raise UserError(f"--reward-fn {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
+                        f"{where(e)}.") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise UserError(f"--reward-fn {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+                        f"{fn_name!r}; its functions: {', '.join(found) or 'none'}.")
+    return fn_name, fn
+
+
+def check_signature(name, fn, fields):
+    """UserError unless fn takes (completions, answers) and every other parameter it requires is `prompts` or a
+    field of the data (`fields`)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise UserError(f"reward function {name!r} must take two arguments, (completions, answers), and return one "
+                        f"float per completion; its signature is {name}{inspect.signature(fn)}.")
+    for p in positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]:
+        if p.default is p.empty and p.name not in ("prompts", *fields):
+            raise UserError(f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts` "
+                            f"nor a field of the data rows (fields: {', '.join(fields) or 'none'}).")
+
+
+def wanted(fn, columns):
+    """The columns {name: [value per completion]} that fn declares as parameters (all of them for **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(columns)
+    return {k: v for k, v in columns.items() if k in params}
+
+
+def score(reward_fns, completions, answers, **columns):
+    """Total reward [N] = sum of weight * fn(completions, answers, **the columns fn declares), and each function's
+    rewards {name: [N]}. columns: prompts=[N], and any data field =[N]. A function that raises, or does not return
+    one finite number per completion, stops the run here: a UserError naming the function, what was wrong, and the
+    start of the offending completion (train.py then saves a checkpoint and exits with code 2)."""
+    per_fn = {}
+    for r in reward_fns:
+        kwargs = wanted(r.fn, columns)
+        try:
+            values = r.fn(completions, answers, **kwargs)
+        except Exception as e:
+            raise UserError(raised(r.name, e, r.fn, completions, answers, kwargs)) from None
+        per_fn[r.name] = as_rewards(r.name, values, completions)
+    return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
+
+
+def raised(name, e, fn, completions, answers, kwargs):
+    """The message for a reward function that raised on a batch. It is called again one completion at a time to
+    find the completion it fails on; if none fails alone, the message shows the batch's first completion."""
+    i = first_raising(fn, completions, answers, kwargs)
+    which = (f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
+             if i is not None else "called on each completion alone it does not raise; the batch's first "
+             f"completion began: {completions[0][:200] if completions else ''!r}")
+    return (f"reward function {name!r} raised {type(e).__name__}: {e}{where(e)} on a batch of {len(completions)} "
+            f"completions; {which}. A reward function must return one float for any text, even empty or garbage.")
+
+
+def first_raising(fn, completions, answers, kwargs):
+    """The index of the first completion on which fn, called on it alone, raises; None if none does."""
+    for i in range(len(completions)):
+        try:
+            fn(completions[i:i + 1], answers[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items()})
+        except Exception:
+            return i
+    return None
+
+
+def where(e):
+    """ " (file.py:12)": where an exception was raised, for the message."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def as_rewards(name, values, completions):
+    """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong with it."""
+    n = len(completions)
+    try:
+        values = list(values)  # a list, a tuple, a tensor, an array, a generator
+    except TypeError:
+        values = None
+    if values is None or len(values) != n:
+        got = f"{type(values).__name__}" if values is None else f"{len(values)} values"
+        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned {got}: "
+                        f"{str(values)[:200]}. The batch's first completion began: "
+                        f"{(completions[0] if completions else '')[:200]!r}")
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(float(v) if not isinstance(v, (str, bytes)) else float("x"))  # numbers, bools, 0-d tensors
+        except (TypeError, ValueError):
+            raise UserError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}, which "
+                            f"is not a number. The completion began: {completions[i][:200]!r}") from None
+        if out[-1] != out[-1] or out[-1] in (float("inf"), float("-inf")):
+            raise UserError(f"reward function {name!r} returned {v} for completion {i}: rewards must be finite "
+                            f"numbers (NaN or inf would reach the weights). The completion began: "
+                            f"{completions[i][:200]!r}")
+    return torch.tensor(out, dtype=torch.float32)
+
+
+class Reward(NamedTuple):
+    """One reward function and its weight: fn(completions, answers, ...) -> one float per completion."""
+    name: str          # the name it is logged under: rewards/<name>, eval/<name>
+    fn: Callable
+    weight: float      # the total reward is the weighted sum of all the task's reward functions
+
+
+def weighted(named_fns, weights):
+    """[Reward] from [(name, fn)] and one weight each."""
+    return [Reward(name, fn, float(w)) for (name, fn), w in zip(named_fns, weights, strict=True)]
+
+
+def from_flags(args, defaults, fields=()):
+    """The run's rewards, [Reward]: --reward-fn's functions (without it the task's own `defaults`, [(name, fn)]),
+    then --reward-model's models, weighted by --reward-weights in that order (every weight 1.0 without it).
+    `fields`: the data rows' other fields, which a function may declare as parameters."""
+    named = [load_reward_fn(spec) for spec in args.reward_fn] if args.reward_fn else list(defaults)
+    names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
+    weights = args.reward_weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise UserError(f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
+                        f"models ({', '.join(names)}): {len(names)} numbers, got {len(weights)}.")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
+                        "and reward model may be given once, and their names must differ.")
+    for name, fn in named:
+        check_signature(name, fn, fields)
+    named += [(model_name(path), RewardModel(path, args.device, args.trust_remote_code)) for path in args.reward_model]
+    return weighted(named, weights)
+
+
+def model_name(path_or_id):
+    """The name a reward model is logged under: its directory's name, or the name part of a hub id."""
+    return os.path.basename(os.path.normpath(path_or_id))
+
+
+class RewardModel:
+    """A --reward-model: a sequence classifier with one output (AutoModelForSequenceClassification, num_labels=1)
+    whose score for prompt + response is the reward. It runs in batches under no_grad on the training device, in
+    bf16 on CUDA (fp32 on CPU), frozen. Text: the model's chat template over the user prompt and the assistant
+    response when its tokenizer has one, else the prompt, a newline and the response. Fits the reward contract."""
+
+    def __init__(self, path_or_id, device="cpu", trust_remote_code=False, batch_size=16):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path_or_id, dtype=dtype, trust_remote_code=trust_remote_code)
+        except Exception as e:  # missing, offline, not a sequence classifier
+            raise UserError(f"--reward-model {path_or_id!r}: could not load it as a sequence classifier "
+                            f"({' '.join(str(e).split())[:300]}). Pass a local directory with config.json, the "
+                            "weights and a tokenizer, or a hub id.") from None
+        if self.model.config.num_labels != 1:
+            raise UserError(f"--reward-model {path_or_id!r} has {self.model.config.num_labels} outputs; a reward model "
+                            "has one, its score for the text (num_labels=1 in its config).")
+        self.batch_size = batch_size
+        if self.tokenizer.pad_token is None:  # pad with EOS (the score is read at the last non-pad token)
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.batch_size = batch_size if self.tokenizer.pad_token is not None else 1  # nothing to pad with
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"  # keep the end of long texts
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        limits = [n for n in (self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings",
+                                                                       None)) if n and n < 10**9]
+        self.max_length = min(limits) if limits else None
+        self.model.to(device).eval().requires_grad_(False)
+
+    def text(self, prompt, response):
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return f"{prompt}\n{response}"
+        chat = [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": response}]
+        return self.tokenizer.apply_chat_template(chat, tokenize=False)
+
+    @torch.no_grad()
+    def __call__(self, completions, answers, prompts):
+        texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
+        scores = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                                   truncation=self.max_length is not None, max_length=self.max_length,
+                                   add_special_tokens=getattr(self.tokenizer, "chat_template", None) is None)
+            device = next(self.model.parameters()).device
+            scores += self.model(**batch.to(device)).logits[:, 0].float().tolist()
+        return scores

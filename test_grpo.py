@@ -32,6 +32,7 @@ import data  # noqa: E402
 import demo  # noqa: E402
 import grpo  # noqa: E402
 import plot  # noqa: E402
+import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k  # noqa: E402
@@ -809,7 +810,7 @@ def run_tiny(out_dir, *extra, reward=varied_reward):
     args = config.parse_args(tiny_argv(out_dir, *extra))
     resume_dir = checkpoint.find(args.output_dir) if args.resume else None
     task, model, tokenizer = train.setup(args, resume_dir)
-    task = dataclasses.replace(task, rewards=[data.Reward("correctness", reward, 1.0)])
+    task = dataclasses.replace(task, rewards=[rewards.Reward("correctness", reward, 1.0)])
     return train.train(args, task, model, tokenizer, resume_dir)
 
 
@@ -1100,20 +1101,20 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     run_tiny(tmp_path / "straight", *argv)
 
     # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
-    real_score, scored = train.score, []
+    real_score, scored = rewards.score, []
 
-    def interrupt_at_step_3(completions, *a):
+    def interrupt_at_step_3(reward_fns, completions, *a, **kw):
         scored.append(len(completions) == 16)  # a training step's 4 prompts x G = 4 (an evaluation scores 4 x 2)
         if sum(scored) == 3 and scored[-1]:
             raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash")
-        return real_score(completions, *a)
+        return real_score(reward_fns, completions, *a, **kw)
 
-    monkeypatch.setattr(train, "score", interrupt_at_step_3)
+    monkeypatch.setattr(rewards, "score", interrupt_at_step_3)
     interrupted = [*argv, "--save-every", "2" if how == "crash" else "0"]
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
         run_tiny(tmp_path / "resumed", *interrupted)
     assert checkpoint.load_state(checkpoint.find(str(tmp_path / "resumed")))["step"] == 2
-    monkeypatch.setattr(train, "score", real_score)
+    monkeypatch.setattr(rewards, "score", real_score)
     run_tiny(tmp_path / "resumed", *interrupted, "--resume")
 
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
@@ -1374,7 +1375,7 @@ def test_eval_means_and_pass_at_k_worked_example():
     hits = lambda completions, answers: [1.0 if i in (0, 5) else 0.0 for i in range(len(completions))]  # noqa: E731
     task = data.Task(train=[], eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
                      prompt=lambda tokenizer, question: question,
-                     rewards=data.weighted([("correctness", hits), ("format", lambda c, a: [0.1] * len(c))],
+                     rewards=rewards.weighted([("correctness", hits), ("format", lambda c, a: [0.1] * len(c))],
                                            [1.0, 0.5]))
     result = train.evaluate(model, tokenizer, task, sampling.Sampling(max_new_tokens=2), samples=4, batch_size=3)
     assert result == pytest.approx({"correctness": 2 / 12, "format": 0.1, "reward": 2 / 12 + 0.05,
@@ -1388,7 +1389,7 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     seen = []
     task = data.Task(train=[], eval=[{"question": "3 + 4 =", "answer": "7"}], prompt=lambda tokenizer, q: q,
-                     rewards=[data.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)])
+                     rewards=[rewards.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)])
     settings = sampling.Sampling(temperature=0, max_new_tokens=3)
     for seed in (0, 1):
         train.evaluate(model, tokenizer, task, settings, samples=1, seed=seed)

@@ -57,8 +57,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
-            answers, responses = [row["answer"] for row in rows for _ in range(G)], task.responses(rollouts.texts)
-            reward, per_fn = score(responses, answers, task.rewards)  # 8: r_i [B*G], each function's {name: [B*G]}
+            reward, per_fn = task.score(rows, rollouts.texts, G)  # 8: r_i [B*G], each function's {name: [B*G]}
             advantages = grpo.group_advantages(reward, G, scale=args.scale_rewards)  # 9: Â_i,t, the same for all t
             advantages = advantages.to(rollouts.input_ids.device)                    # [B*G]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
@@ -76,7 +75,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], eta)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
             if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
-                print_sample(step + 1, prompts[0], responses[0], reward[0].item(), answers[0])
+                print_sample(step + 1, prompts[0], task.responses(rollouts.texts)[:1], reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
             save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
         except (KeyboardInterrupt, UserError) as e:  # Ctrl-C, or a run that cannot go on: keep what it learned
@@ -219,26 +218,6 @@ def trim(rollouts, rows):
     return ids[:, first:P + keep], attn[:, first:P + keep], keep
 
 
-def score(completions, answers, reward_fns):
-    """Total reward [N] = Σ weight · fn(completions, answers), and each function's rewards {name: [N]}. A reward
-    that is not one finite number per completion stops the run here (UserError), naming the function."""
-    per_fn = {}
-    for r in reward_fns:
-        values = r.fn(completions, answers)
-        try:
-            per_fn[r.name] = torch.tensor(values, dtype=torch.float32).reshape(len(completions))
-        except (TypeError, ValueError, RuntimeError):
-            raise UserError(f"reward function {r.name!r} must return one number per completion ({len(completions)}); "
-                            f"it returned {str(values)[:200]}") from None
-        bad = (~torch.isfinite(per_fn[r.name])).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise UserError(f"reward function {r.name!r} returned {values[i]} for completion {i}: rewards must be "
-                            f"finite numbers (NaN or inf would reach the weights). The completion began: "
-                            f"{completions[i][:200]!r}")
-    return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Evaluation on held-out questions.
 
@@ -256,8 +235,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             chunk = rows[i: i + batch_size]
             prompts = [task.query(tokenizer, row["question"]) for row in chunk]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
-            answers = [row["answer"] for row in chunk for _ in range(samples)]
-            total, per_fn = score(task.responses(rollouts.texts), answers, task.rewards)
+            total, per_fn = task.score(chunk, rollouts.texts, samples)
             chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
                 print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {format_seconds(time.time() - t0)}", flush=True)
@@ -316,7 +294,7 @@ def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
         reward=reward.mean().item(), reward_std=reward.std().item(),
         **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
         **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
-        accuracy=per_fn["correctness"].mean().item() if "correctness" in per_fn else float("nan"),
+        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
         kl=float(np.mean([u["kl"] for u in updates])),
         clip_frac=float(np.mean([u["clip_frac"] for u in updates])),
         grad_norm=float(np.mean([u["grad_norm"] for u in updates])),
@@ -330,7 +308,7 @@ def log_step(path, step, args, m, reward_names):
     per_fn = " ".join(f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names)
     kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
     print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
-          f"{per_fn} | acc {m['accuracy']:.3f}{kl} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f}/"
+          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f}/"
           f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
           f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
           + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
@@ -347,9 +325,9 @@ def format_seconds(s):
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.0f}s"
 
 
-def print_sample(step, prompt, completion, reward, answer):
+def print_sample(step, prompt, responses, reward, answer):
     print(f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
-          f"{prompt[-300:]}\n[completion]\n{completion}\n---", flush=True)
+          f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---", flush=True)
 
 
 def print_eval_table(evals, count, args):
@@ -368,46 +346,21 @@ def print_eval_table(evals, count, args):
 
 
 def setup(args, resume_dir=None):
-    """The task, π_θinit and its tokenizer. GSM8K's data loads first: a bad file fails in a second, not after loading
-    a 1.7B model. Resuming with β = 0 loads the checkpoint instead: no reference model needs the initial weights."""
+    """The task, π_θinit and its tokenizer. The data and the rewards load first: a bad file or reward function fails in
+    a second, not after loading a 1.7B model. Resuming with β = 0 loads the checkpoint: no reference model needs the
+    initial weights."""
     set_seed(args.seed)
     if args.demo:
-        model, tokenizer, task = demo.setup(args.seed, args.demo_warmup_steps, args.demo_target_accuracy,
-                                            args.reward_weights)
+        model, tokenizer, task = demo.setup(args.seed, args.demo_warmup_steps, args.demo_target_accuracy)
     else:
-        task = gsm8k_task(args)
+        task = data.task_from_flags(args)  # GSM8K, or your JSONL with --prompt-field/--answer-field
+    named = [(r.name, r.fn) for r in task.rewards]  # the task's own rewards, which --reward-fn replaces
+    task = dataclasses.replace(task, response_prefix=args.response_prefix, rewards=rewards.from_flags(
+        args, named, data.field_names(task.train + task.eval)))
+    if not args.demo:
         name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
         model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
-    return dataclasses.replace(task, response_prefix=args.response_prefix), model, tokenizer
-
-
-def gsm8k_task(args):
-    """GSM8K's train rows (--data), its test rows (--eval-data, or test.jsonl beside --data), the chat prompt, and the
-    correctness and format rewards weighted by --reward-weights."""
-    eval_path = args.eval_data
-    if eval_path is None and args.data is not None:  # --data .../train.jsonl: use the test.jsonl beside it
-        beside = os.path.join(os.path.dirname(os.path.abspath(args.data)), "test.jsonl")
-        eval_path = beside if os.path.isfile(beside) and os.path.abspath(args.data) != beside else None
-    need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
-    return data.Task(train=load_rows("train", args.data, "--data") if need_train else [],
-                     eval=load_rows("test", eval_path, "--eval-data") if need_eval else [],
-                     prompt=data.build_prompt,
-                     rewards=data.weighted(rewards.REWARD_FUNCS.items(), args.reward_weights))
-
-
-def load_rows(split, path, flag):
-    if path is not None and not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file. Pass a GSM8K-format JSONL file (one "
-                        '{"question": ..., "answer": "... #### <number>"} object per line).')
-    try:
-        return data.load_gsm8k(split, path=path)
-    except ValueError as e:  # data.py names the file and line: "path:12: malformed JSON (...)"
-        raise UserError(f"could not load the GSM8K {split} data: {e}. Each line of {flag} must be a JSON object with "
-                        'a "question" string and an "answer" string ending in "#### <number>".') from None
-    except (OSError, RuntimeError) as e:  # unreadable file, or no network for the download
-        hint = " (or --eval-every -1 to skip evaluation)" if split == "test" else ""
-        raise UserError(f"could not load the GSM8K {split} data: {e} Pass a local file with {flag} PATH{hint}."
-                        ) from None
+    return task, model, tokenizer
 
 
 def main(argv=None):
