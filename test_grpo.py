@@ -13,6 +13,8 @@ import json
 import math
 import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -1477,6 +1479,331 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     assert "Question: Tom has" in out and "before" in out and "after" in out  # the sample and the before/after table
 
 
+# --- your own task: reward functions, reward models and data as flags -----------------------------------------------
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def write_module(tmp_path, name, source):
+    """A user's reward file `name`.py in tmp_path, importable afresh (no earlier module of that name cached)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    sys.modules.pop(name, None)
+    return name
+
+
+def own_task_argv(tmp_path, *extra):
+    """A run on your own JSONL (4 rows, a field `id`) with the tiny model: 4 prompts x G=2, 1 step, no eval."""
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1), "id": i} for i in range(4)]
+    return ["--model", tiny_model_dir(tmp_path), "--data", write_rows(tmp_path / "my.jsonl", rows),
+            "--prompt-field", "prompt", "--answer-field", "answer", "--output-dir", str(tmp_path / "run"),
+            "--steps", "1", "--batch-size", "2", "--gradient-accumulation-steps", "2", "--num-generations", "2",
+            "--max-new-tokens", "4", "--eval-every", "-1", "--sample-every", "0", "--save-every", "0", *extra]
+
+
+def readme_block(title, language):
+    """The code block that follows the README's line naming `title` (the worked example's files and command)."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = f.read()
+    match = re.search(rf"{re.escape(title)}[^\n]*\n+```{language}\n(.*?)```", text, re.S)
+    assert match, f"README has no {language} block after {title!r}"
+    return match.group(1)
+
+
+def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_path):
+    """The README's my.jsonl, my_rewards.py and command, run as a new user would: `python train.py` in the directory
+    holding the two files, only the model swapped for the tiny one and the run shortened."""
+    (tmp_path / "my.jsonl").write_text(readme_block("`my.jsonl`", "json"))
+    (tmp_path / "my_rewards.py").write_text(readme_block("`my_rewards.py`", "python"))
+    assert len((tmp_path / "my.jsonl").read_text().splitlines()) == 5
+    assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 22
+    command = shlex.split(readme_block("Train on them", "bash").replace("\\\n", " "))
+    assert command[:2] == ["python", "train.py"]
+    argv = command[2:]
+    argv[argv.index("--model") + 1] = tiny_model_dir(tmp_path)
+    argv += ["--steps", "2", "--num-generations", "2", "--max-new-tokens", "6", "--output-dir", "out"]
+    result = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=tmp_path,
+                            capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stderr
+    assert "no --eval-data: this task is not GSM8K, so there is no evaluation" in result.stdout
+    steps = read_metrics(tmp_path / "out")
+    assert [row["step"] for row in steps] == [1, 2]
+    weights = argv[argv.index("--reward-weights") + 1].split(",")
+    weights = dict(zip(["exact", "mentions", "brevity"], map(float, weights)))
+    for row in steps:  # the total is the weighted sum, in the order the functions were given (float32 sums: 1e-6)
+        assert row["reward"] == pytest.approx(sum(w * row[f"rewards/{n}"] for n, w in weights.items()), abs=1e-6)
+        assert "accuracy" not in row  # no correctness reward in this task
+
+
+def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monkeypatch):
+    """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
+    --reward-fn my_rewards:exact --reward-weights 1.0 (in process, from the directory holding my_rewards.py)."""
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "my_rewards_exact", "def exact(completions, answers):\n"
+                 "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
+                 "def lengthy(completions, answers):\n"
+                 "    return [float(len(c.split())) for c in completions]\n")
+    train.main(own_task_argv(tmp_path, "--reward-fn", "my_rewards_exact:exact", "--reward-fn",
+                             "my_rewards_exact:lengthy", "--reward-weights", "1.0,0.25"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert {k for k in row if k.startswith("rewards/")} == {"rewards/exact", "rewards/exact_std", "rewards/lengthy",
+                                                             "rewards/lengthy_std"}
+    assert row["reward"] == pytest.approx(row["rewards/exact"] + 0.25 * row["rewards/lengthy"], abs=1e-6)
+    assert row["rewards/lengthy"] > 0  # 1 to 4 words per completion
+
+
+def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given(tmp_path):
+    train.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert {k for k in row if k.startswith("rewards/") and not k.endswith("_std")} == {"rewards/format",
+                                                                                        "rewards/correctness"}
+    assert row["accuracy"] == row["rewards/correctness"]
+    args = config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format"))
+    task, _, _ = train.setup(args)
+    assert [(r.name, r.fn, r.weight) for r in task.rewards] == [("format", format_reward, 1.0)]
+    args = config.parse_args(own_task_argv(tmp_path))  # no --reward-fn: the built-in pair, every weight 1.0
+    task, _, _ = train.setup(args)
+    assert [(r.name, r.weight) for r in task.rewards] == [("correctness", 1.0), ("format", 1.0)]
+
+
+def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_with_the_completions():
+    seen = {}
+
+    def declares(completions, answers, prompts, id):
+        seen["declares"] = (prompts, id)
+        return [0.0] * len(completions)
+
+    def takes_all(completions, answers, **fields):
+        seen["takes_all"] = fields
+        return [1.0] * len(completions)
+
+    def plain(completions, answers):
+        return [2.0] * len(completions)
+
+    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
+            {"question": "q1", "answer": [2], "fields": {"id": 8}}]
+    task = data.Task(train=rows, eval=[], prompt=None, response_prefix="> ", rewards=rewards.weighted(
+        [("declares", declares), ("takes_all", takes_all), ("plain", plain)], [1.0, 1.0, 0.5]))
+    total, per_fn = task.score(rows, ["a", "b", "c", "d"], G=2)
+    assert seen["declares"] == (["q0", "q0", "q1", "q1"], [7, 7, 8, 8])
+    assert seen["takes_all"] == {"prompts": ["q0", "q0", "q1", "q1"], "id": [7, 7, 8, 8],
+                                 "tag": ["a", "a", None, None]}  # a row without the field: None
+    assert total.tolist() == [2.0] * 4 and per_fn["plain"].tolist() == [2.0] * 4
+
+
+def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "needs_more", "def wants_topic(completions, answers, topic):\n    return [0.0]\n"
+                                          "def one_arg(completions):\n    return [0.0]\n")
+    for fn, message in [("wants_topic", "requires the argument 'topic', which is neither `prompts` nor a field of "
+                                        "the data rows (fields: id)"),
+                        ("one_arg", "must take two arguments, (completions, answers)")]:
+        with pytest.raises(config.UserError, match=re.escape(message)):
+            train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}")))
+
+
+@pytest.mark.parametrize("spec, source, message", [
+    ("brevity", None, "expected MODULE:FUNCTION (e.g. my_rewards:brevity"),
+    ("no_such_module_here:f", None, "there is no module 'no_such_module_here': no no_such_module_here.py in the "
+                                    "working directory"),
+    ("user_mod:missing", "def exact(c, a):\n    return c\n", "has no function 'missing'; its functions: exact"),
+    ("user_mod:VALUE", "VALUE = 3\n", "has no function 'VALUE'"),
+    ("user_mod:f", "import numpy\nx = 1 / 0\n", "importing user_mod raised ZeroDivisionError: division by zero "
+                                                "(user_mod.py:2)"),
+    ("user_mod:f", "def f(c, a)\n", "importing user_mod raised SyntaxError"),
+    ("user_mod:f", "import no_such_dependency_xyz\n", "importing user_mod failed: No module named "
+                                                      "'no_such_dependency_xyz'"),
+])
+def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(tmp_path, monkeypatch, spec, source, message):
+    monkeypatch.chdir(tmp_path)
+    if source is not None:
+        write_module(tmp_path, "user_mod", source)
+    with pytest.raises(config.UserError, match=re.escape(message)):
+        rewards.load_reward_fn(spec)
+
+
+def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
+    argv = own_task_argv(tmp_path, "--reward-fn", "format,correctness", "--reward-weights", "1,2,3")
+    with pytest.raises(config.UserError, match=re.escape("one weight per reward, in the order: reward functions, then "
+                                                         "reward models (format, correctness): 2 numbers, got 3")):
+        train.setup(config.parse_args(argv))
+    with pytest.raises(config.UserError, match="logged under the same name \\(format\\)"):
+        train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")))
+
+
+RAISING_REWARDS = """
+seen = []
+def picky(completions, answers, id):
+    seen.append(list(completions))
+    return [1.0 / (i - 3) for i in id]           # ZeroDivisionError on the completions of the row with id 3
+def batch_only(completions, answers):
+    if len(completions) > 1:
+        raise RuntimeError("only fails on batches")
+    return [0.0]
+def words(completions, answers):
+    return ["one"] * len(completions)
+def short(completions, answers):
+    return [0.0] * (len(completions) - 1)
+def nothing(completions, answers):
+    return None
+"""
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("picky", "reward function 'picky' raised ZeroDivisionError: float division by zero (user_rewards.py:5) on a "
+              "batch of 8 completions; called on completion {first} alone it raises too; that completion began: {text}"),
+    ("batch_only", "reward function 'batch_only' raised RuntimeError: only fails on batches (user_rewards.py:8) on a "
+                   "batch of 8 completions; called on each completion alone it does not raise; the batch's first "
+                   "completion began: "),
+    ("words", "reward function 'words' returned 'one' (str) for completion 0, which is not a number."),
+    ("short", "reward function 'short' must return one number per completion (8); it returned 7 values"),
+    ("nothing", "reward function 'nothing' must return one number per completion (8); it returned NoneType"),
+])
+def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_completion(tmp_path, monkeypatch, capsys,
+                                                                                      fn, message):
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "user_rewards", RAISING_REWARDS)
+    argv = own_task_argv(tmp_path, "--reward-fn", f"user_rewards:{fn}", "--seed", "0")  # the id-3 row comes last
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    if fn == "picky":
+        args = config.parse_args(argv)
+        rows = batch_at(data.task_from_flags(args).train, 4, args.seed, 0)
+        first = 2 * [row["fields"]["id"] for row in rows].index(3)  # G = 2 completions per row
+        assert first == 6
+        batch = sys.modules["user_rewards"].seen[0]
+        message = message.format(first=first, text=repr(batch[first][:200]))
+    assert f"error: {message}" in err, err[-600:]
+    assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0  # saved before any update
+
+
+def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion():
+    def fails(completions, answers):
+        raise ValueError("bad")
+    long = "x" * 150 + "y" * 150
+    with pytest.raises(config.UserError) as info:
+        rewards.score(rewards.weighted([("fails", fails)], [1.0]), [long], ["1"])
+    assert repr("x" * 150 + "y" * 50) + "." in str(info.value) and "y" * 51 not in str(info.value)
+
+
+def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
+    """A randomly initialized Llama sequence classifier over the demo's words, saved with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(demo.WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=num_labels, pad_token_id=demo.PAD, eos_token_id=demo.EOS,
+        bos_token_id=None, max_position_embeddings=256))
+    path = tmp_path / name
+    model.save_pretrained(path)
+    demo.word_tokenizer(demo.WORDS).save_pretrained(path)
+    return str(path)
+
+
+def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on_cpu(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+    path = tiny_reward_model_dir(tmp_path)
+    scorer = rewards.RewardModel(path, "cpu", batch_size=3)
+    prompts = ["3 + 4 =", "1 + 1 =", "5 + 5 =", "2 + 0 ="]
+    completions = ["<answer> 7", "2", "<answer> 10 </answer>", ""]
+    scores = scorer(completions, [None] * 4, prompts)
+    reference = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    alone = [reference(**scorer.tokenizer(f"{p}\n{c}", return_tensors="pt")).logits[0, 0].item()
+             for p, c in zip(prompts, completions)]
+    # The same fp32 model, padded in batches of 3 vs one text at a time: equal up to summation order (~1e-7).
+    assert scores == pytest.approx(alone, abs=1e-5)
+    assert len(set(scores)) == 4  # the texts differ, and so do their scores
+    params = list(scorer.model.parameters())
+    assert not scorer.model.training and not any(p.requires_grad for p in params)
+    assert {p.dtype for p in params} == {torch.float32}
+
+
+def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_the_functions(tmp_path):
+    path = tiny_reward_model_dir(tmp_path)
+    train.main(own_task_argv(tmp_path, "--reward-fn", "correctness", "--reward-model", path,
+                             "--reward-weights", "1.0,0.5"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["reward"] == pytest.approx(row["rewards/correctness"] + 0.5 * row["rewards/tiny-rm"], abs=1e-6)
+    assert row["rewards/tiny-rm_std"] > 0  # the classifier tells the completions apart
+    second = tiny_reward_model_dir(tmp_path, 1, "rm2")
+    args = config.parse_args(own_task_argv(tmp_path, "--reward-model", f"{path},{second}"))
+    assert [r.name for r in train.setup(args)[0].rewards] == ["correctness", "format", "tiny-rm", "rm2"]
+
+
+def test_a_reward_model_must_load_as_a_classifier_with_one_output(tmp_path):
+    with pytest.raises(config.UserError, match="has 2 outputs; a reward model has one"):
+        rewards.RewardModel(tiny_reward_model_dir(tmp_path, num_labels=2))
+    with pytest.raises(config.UserError, match="could not load it as a sequence classifier"):
+        rewards.RewardModel(str(tmp_path / "no-such-model"))
+
+
+def test_any_jsonl_is_read_with_its_fields_as_they_are(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", [{"q": "Say hi", "gold": {"any": ["json"]}, "level": 3},
+                                                {"q": "Say bye", "gold": 7}])
+    assert data.load_jsonl(path, "q", "gold") == [
+        {"question": "Say hi", "answer": {"any": ["json"]}, "fields": {"level": 3}},
+        {"question": "Say bye", "answer": 7, "fields": {}}]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "p"}', "{path}:2: no answer field 'answer' (fields: prompt)"),
+    ('{"answer": "a"}', "{path}:2: the prompt field 'prompt' is missing (fields: answer)"),
+    ('{"prompt": ["p"], "answer": "a"}', "{path}:2: the prompt field 'prompt' is a list, not a string"),
+    ('{"prompt": "p", ', "{path}:2: malformed JSON"),
+    ('["p", "a"]', "{path}:2: expected a JSON object, got list"),
+])
+def test_a_bad_row_of_your_own_jsonl_names_its_file_and_line(tmp_path, capsys, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "p", "answer": "a"}\n' + line + "\n")
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = str(path)
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_your_own_task_evaluates_on_eval_data_with_the_same_fields_and_never_downloads_gsm8k(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setattr(data, "_download", lambda split: pytest.fail("downloaded GSM8K for a task that is not GSM8K"))
+    args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0"))
+    assert data.task_from_flags(args).eval == []
+    assert "no --eval-data: this task is not GSM8K, so there is no evaluation" in capsys.readouterr().out
+    held_out = write_rows(tmp_path / "held_out.jsonl", [{"prompt": "9 + 1 =", "answer": "10", "id": 9}])
+    args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0", "--eval-data", held_out))
+    assert data.task_from_flags(args).eval == [{"question": "9 + 1 =", "answer": "10", "fields": {"id": 9}}]
+    with pytest.raises(config.UserError, match="--eval-only on your own task needs its held-out rows"):
+        data.task_from_flags(config.parse_args(own_task_argv(tmp_path, "--eval-only")))
+
+
+def test_system_prompt_takes_text_or_a_file_and_defaults_by_task(tmp_path):
+    tokenizer = demo.word_tokenizer(demo.WORDS)  # no chat template: the plain-text prompt shows the system prompt
+    (tmp_path / "system.txt").write_text("Be brief.\nVery.")
+    for flag, expected in [([], "1 + 1 =\n"),
+                           (["--system-prompt", "Be brief.\\nVery."], "Be brief.\nVery.\n\n1 + 1 =\n"),
+                           (["--system-prompt", f"@{tmp_path / 'system.txt'}"], "Be brief.\nVery.\n\n1 + 1 =\n")]:
+        task = data.task_from_flags(config.parse_args(own_task_argv(tmp_path, *flag)))
+        assert task.prompt(tokenizer, "1 + 1 =") == expected
+    gsm8k = ["--data", write_gsm8k(tmp_path / "gsm.jsonl"), "--eval-every", "-1"]
+    assert data.task_from_flags(config.parse_args(gsm8k)).prompt(tokenizer, "q").startswith(SYSTEM_PROMPT)
+    no_system = data.task_from_flags(config.parse_args([*gsm8k, "--system-prompt", ""]))
+    assert no_system.prompt(tokenizer, "q") == "Question: q\nAnswer:\n"
+    with pytest.raises(config.UserError, match="--system-prompt @.*could not read the file"):
+        config.parse_args([*gsm8k, "--system-prompt", f"@{tmp_path / 'missing.txt'}"])
+
+
+def test_the_demo_refuses_data_flags_but_takes_reward_flags(tmp_path):
+    with pytest.raises(config.UserError, match="--demo brings its own task; drop --prompt-field"):
+        config.parse_args(["--demo", "--prompt-field", "q"])
+    run_dir = tmp_path / "demo"
+    train.main(tiny_argv(run_dir, "--reward-fn", "format"))
+    (row,) = read_metrics(run_dir)
+    assert "rewards/format" in row and "rewards/correctness" not in row
+
+
 # --- model names and bad input ----------------------------------------------------------------------------------------
 
 
@@ -1516,14 +1843,19 @@ def bad_input_cases(tmp_path):
         "negative seed": (["--seed", "-1"], ["--seed must be at least 0, got -1"]),
         "output dir is a file": (["--data", good, "--output-dir", good], ["is a file, not a directory"]),
         "nothing to resume": (tiny_argv(tmp_path / "empty", "--resume"), ["no checkpoint"]),
+        "unknown reward module": (["--data", good, "--eval-every", "-1", "--reward-fn", "no_such_rewards:f"],
+                                  ["no_such_rewards.py"]),
+        "too many weights": (["--data", good, "--eval-every", "-1", "--reward-weights", "1,1,1"],
+                             ["one weight per reward", "got 3"]),
+        "prompt field, no data": (["--prompt-field", "text"], ["pass it with --data PATH"]),
     }
 
 
 @pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",
                                   "malformed data", "micro-batch not whole groups", "eval limit 0",
                                   "negative early stop", "plot without metrics", "negative seed",
-                                  "output dir is a file",
-                                  "nothing to resume"])
+                                  "output dir is a file", "nothing to resume", "unknown reward module",
+                                  "too many weights", "prompt field, no data"])
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
     argv, expected = bad_input_cases(tmp_path)[case]
