@@ -213,14 +213,15 @@ def check_signature(name, fn, fields):
 
 
 def wanted(fn, columns):
-    """The columns {name: [value per completion]} that fn declares as parameters (all of them for **kwargs)."""
+    """The columns {name: [value per completion]} that fn declares as parameters (all of them for **kwargs), except
+    any named like its first two parameters (the completions and the answers, passed by position)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return {}
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return dict(columns)
-    return {k: v for k, v in columns.items() if k in params}
+    first_two = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
 
 
 def score(reward_fns, completions, answers, **columns):
@@ -261,9 +262,11 @@ def first_raising(fn, completions, answers, kwargs):
 
 
 def where(e):
-    """ " (file.py:12)": where an exception was raised, for the message."""
+    """ " (file.py:12)": where an exception was raised, for the message (a SyntaxError names its place itself)."""
     frames = traceback.extract_tb(e.__traceback__)
-    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    if isinstance(e, SyntaxError) or not frames:
+        return ""
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
 
 
 def as_rewards(name, values, completions):

@@ -1518,7 +1518,7 @@ def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_pa
     (tmp_path / "my.jsonl").write_text(readme_block("`my.jsonl`", "json"))
     (tmp_path / "my_rewards.py").write_text(readme_block("`my_rewards.py`", "python"))
     assert len((tmp_path / "my.jsonl").read_text().splitlines()) == 5
-    assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 22
+    assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 21  # "a 20-line reward file"
     command = shlex.split(readme_block("Train on them", "bash").replace("\\\n", " "))
     assert command[:2] == ["python", "train.py"]
     argv = command[2:]
@@ -1612,7 +1612,7 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
     ("user_mod:VALUE", "VALUE = 3\n", "has no function 'VALUE'"),
     ("user_mod:f", "import numpy\nx = 1 / 0\n", "importing user_mod raised ZeroDivisionError: division by zero "
                                                 "(user_mod.py:2)"),
-    ("user_mod:f", "def f(c, a)\n", "importing user_mod raised SyntaxError"),
+    ("user_mod:f", "def f(c, a)\n", "(user_mod.py, line 1)."),  # a SyntaxError's own text varies by Python version
     ("user_mod:f", "import no_such_dependency_xyz\n", "importing user_mod failed: No module named "
                                                       "'no_such_dependency_xyz'"),
 ])

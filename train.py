@@ -5,6 +5,8 @@
     python train.py --model DIR --data gsm8k/train.jsonl --max-new-tokens 64 --steps 3 --eval-limit 4   # CPU smoke run
     python train.py --model DIR --eval-only --eval-limit 100  # mean accuracy and format reward on the test split
     python train.py <same flags> --resume                     # continue from OUTPUT_DIR/checkpoint
+    python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer \
+        --reward-fn my_rewards:exact                          # your own task (README: Your own task)
 
 The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, checkpoints in checkpoint.py.
 """
