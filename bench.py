@@ -181,7 +181,7 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
     G, amp = a.num_generations, sampling.AMP[a.dtype]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     objective = train.Objective(epsilon=0.2, epsilon_high=None, beta=a.beta, loss_type="grpo", ratio_level="token",
-                                max_tokens=a.max_new_tokens)
+                                max_tokens=a.max_new_tokens, delta=None)
     with phase(record, "generate"):  # 7: G samples per prompt, one generate call, fixed length
         rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp,
                                             min_new_tokens=a.max_new_tokens)

@@ -62,6 +62,20 @@ def add_model_and_grpo_flags(p):
                    help="advantage = (r - group mean) / std of the group | of the batch | no division (Dr. GRPO)")
     g.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
                    help="token: eq. 3; sequence: one ratio per completion (GSPO, arXiv 2507.18071)")
+    g.add_argument("--delta", type=float, default=None,
+                   help="dual clip: cap the ratio at delta where the advantage is negative (two-sided clipping, "
+                        "INTELLECT-2); must exceed 1 + epsilon-high; if not given, off")
+    g.add_argument("--mask-truncated", action="store_true",
+                   help="completions that hit --max-new-tokens without EOS get no loss (their mask is all 0)")
+    g.add_argument("--overlong-buffer", type=int, default=0,
+                   help="DAPO's soft overlong punishment as one more reward (rewards/overlong): 0 up to "
+                        "max-new-tokens - N tokens, then falling linearly to -1 at max-new-tokens; 0: off")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO: drop groups whose rewards are all equal and sample more prompts until the step holds "
+                        "batch-size x gradient-accumulation-steps groups with spread (at most --max-resample more "
+                        "generate calls)")
+    g.add_argument("--max-resample", type=int, default=3,
+                   help="with --dynamic-sampling: extra generate calls per step at most")
     g.add_argument("--num-iterations", type=int, default=1,
                    help="mu, optimizer updates per batch of samples; >1 keeps the first iteration's log-probs as "
                         "pi_old's")
@@ -83,6 +97,9 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (1.0 = off)")
     g.add_argument("--top-k", type=int, default=50, help="top-k sampling (0 = off)")
     g.add_argument("--max-new-tokens", type=int, default=300, help="generation budget per completion")
+    g.add_argument("--num-beams", type=int, default=1,
+                   help="K > 1: each group is the G best of K beams of one beam search per prompt (K >= G), not "
+                        "G samples; 1: sampling")
     g.add_argument("--max-prompt-length", type=int, default=None,
                    help="a longer prompt keeps its last N tokens (with a warning); if not given, the model's context "
                         "length minus --max-new-tokens")
@@ -105,6 +122,15 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--max-nonfinite", type=int, default=3,
                    help="an update whose loss or gradient norm is NaN/inf is skipped (weights and AdamW unchanged); "
                         "stop, saving the last good weights, after this many in a row")
+
+    g = p.add_argument_group("LoRA (needs peft: pip install peft)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank instead of every weight; the reference model is the base "
+                        "with the adapters off (no second copy); 0: full fine-tuning")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling alpha; if not given, 2 x rank")
+    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the LoRA branch")
+    g.add_argument("--lora-target-modules", default="q_proj,v_proj",
+                   help="comma-separated module names that get adapters")
 
     g = p.add_argument_group("precision and memory")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -204,6 +230,8 @@ def check(args):
                              ("--stop-when-zero-std", args.stop_when_zero_std, 0),
                              ("--max-nonfinite", args.max_nonfinite, 1),
                              ("--max-prompt-length", args.max_prompt_length, 1), ("--seed", args.seed, 0),
+                             ("--num-beams", args.num_beams, 1), ("--max-resample", args.max_resample, 0),
+                             ("--overlong-buffer", args.overlong_buffer, 0), ("--lora-rank", args.lora_rank, 0),
                              ("--eval-seed", args.eval_seed, 0)]:
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")
@@ -218,12 +246,29 @@ def check(args):
         args.eval_samples = 1  # greedy decoding gives every sample of a question the same completion
     if args.beta < 0 or args.epsilon <= 0:
         raise UserError(f"--beta must be >= 0 and --epsilon > 0, got beta={args.beta}, epsilon={args.epsilon}.")
+    check_option_flags(args)
     args.response_prefix = decode_escapes(args.response_prefix)
     check_task_flags(args)
     local = os.path.abspath(os.path.expanduser(args.model))
     if not args.demo and args.model.startswith((".", "/", "~")) and not os.path.isdir(local):
         raise UserError(f"--model {args.model!r} looks like a local path, but {local} is not a directory. Pass the "
                         "directory holding config.json and the weights, a hub id, or a SmolLM2 short name.")
+
+
+def check_option_flags(args):
+    """The algorithm options: each one's values must make sense together with the rest."""
+    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.delta is not None and args.delta <= 1 + eps_high:
+        raise UserError(f"--delta must exceed 1 + epsilon-high ({1 + eps_high:g}), got {args.delta}: below that it "
+                        "would cap ratios the ordinary clip already handles.")
+    if args.num_beams > 1 and args.num_beams < args.num_generations:
+        raise UserError(f"--num-beams ({args.num_beams}) must be at least --num-generations ({args.num_generations}): "
+                        "the group is the G best beams.")
+    if args.overlong_buffer > args.max_new_tokens:
+        raise UserError(f"--overlong-buffer ({args.overlong_buffer}) must be at most --max-new-tokens "
+                        f"({args.max_new_tokens}).")
+    if not 0 <= args.lora_dropout < 1 or (args.lora_alpha is not None and args.lora_alpha <= 0):
+        raise UserError("--lora-dropout must be in [0, 1) and --lora-alpha > 0.")
 
 
 def check_task_flags(args):

@@ -18,7 +18,7 @@ __all__ = ["grpo_loss", "loss_denominator", "group_advantages", "process_advanta
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.04,
-              loss_type="grpo", max_tokens=None, normalizer=None, ratio_level="token", stats=None):
+              loss_type="grpo", max_tokens=None, normalizer=None, ratio_level="token", delta=None, stats=None):
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
 
     logps      [N, T] log π_θ(o_t | q, o_<t), with grad.
@@ -33,8 +33,12 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
                losses then sum exactly to the full-batch loss. Default: this batch's own.
     ratio_level: "token" (eq. 3) | "sequence" (GSPO, arXiv 2507.18071: one ratio per completion,
                exp of the mean token log-ratio).
+    delta:     dual clip, None: off. The unclipped term uses min(r, δ): where Â < 0 the objective min(r Â, clip(r) Â)
+               would otherwise fall without bound as r grows (r = 10, Â = -1: -10); with δ it stops at δ Â and passes
+               no gradient beyond (two-sided clipping, INTELLECT-2, arXiv 2505.07291). Where Â > 0 it changes
+               nothing, as long as δ > 1 + ε_high.
     stats: optional dict, filled with detached sums over this batch's unmasked tokens:
-               "tokens", "kl" (Σ k3), "clipped" (tokens where the clip is active), "ratio" (Σ r).
+               "tokens", "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
     """
     if loss_type not in ("grpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
@@ -52,7 +56,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
     ratio = torch.exp(log_ratio)                                             # r_{i,t} = π_θ / π_old
     eps_high = epsilon if epsilon_high is None else epsilon_high
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)           # clip(r, 1-ε, 1+ε_high)
-    objective = torch.min(ratio * adv, clipped_ratio * adv)                 # min(r Â, clip(r) Â)
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)       # dual clip: min(r, δ)
+    objective = torch.min(capped * adv, clipped_ratio * adv)                # min(r Â, clip(r) Â)
     if beta != 0:
         log_ref_ratio = torch.where(m, ref_logps - logps, 0.0)               # log(π_ref / π_θ)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0
@@ -65,6 +70,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
     if stats is not None:
         with torch.no_grad():
             clip_active = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))
+            if delta is not None:
+                clip_active |= (ratio > delta) & (adv < 0)
             stats["tokens"] = m.sum().item()
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
             stats["clipped"] = (clip_active & m).sum().item()

@@ -81,6 +81,26 @@ def test_clip_ratio_1_5_advantage_minus_1_is_not_clipped_min_is_pessimistic():
     assert one_token_objective(1.5, -1.0) == pytest.approx((-1.5, -1.5), abs=TOL)
 
 
+# ---------------------------------------------------------------- dual clip δ (two-sided clipping)
+@pytest.mark.parametrize("ratio, advantage, delta, expected", [
+    (10.0, -1.0, None, (-10.0, -10.0)),  # without δ: unbounded below, and the gradient grows with r
+    (10.0, -1.0, 4.0, (-4.0, 0.0)),      # δ caps it at δ·Â = -4, no gradient
+    (3.0, -1.0, 4.0, (-3.0, -3.0)),      # below δ: unchanged, r·Â
+    (10.0, 1.0, 4.0, (1.2, 0.0)),        # Â > 0: clip(r)·Â = 1.2 as without δ
+    (0.5, -1.0, 4.0, (-0.8, 0.0)),       # r < 1 - ε, Â < 0: the ordinary clip, (1 - ε)·Â
+])
+def test_dual_clip_delta_bounds_the_objective_where_the_advantage_is_negative(ratio, advantage, delta, expected):
+    assert one_token_objective(ratio, advantage, delta=delta) == pytest.approx(expected, abs=TOL)
+
+
+def test_dual_clip_counts_tokens_capped_by_delta_as_clipped():
+    logps = torch.log(torch.tensor([[10.0, 3.0, 10.0]]))
+    stats = {}
+    grpo_loss(logps, torch.zeros(1, 3), None, torch.tensor([-1.0]), torch.ones(1, 3), beta=0.0, delta=4.0,
+              epsilon=100.0, stats=stats)  # ε = 100: only δ can clip
+    assert stats["clipped"] == 2 and stats["tokens"] == 3
+
+
 def test_clip_higher_epsilon_high_0_28_lets_1_25_through_and_caps_1_5_at_1_28():
     assert one_token_objective(1.25, 1.0, epsilon_high=0.28)[0] == pytest.approx(1.25, abs=TOL)
     assert one_token_objective(1.5, 1.0, epsilon_high=0.28)[0] == pytest.approx(1.28, abs=TOL)
@@ -906,7 +926,7 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
     scheduler = get_scheduler("constant", optimizer)
     update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
                                torch.tensor([1.0, -1.0] * 4), ref_logps=None,
-                               objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4), micro_batch_size=4)
+                               objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4, None), micro_batch_size=4)
     _, old = update(old_logps=None)
     assert torch.allclose(old, expected, atol=1e-5)
     assert (old[:4, 2:] == 0).all() and (old[:4, :2] < 0).all()

@@ -44,7 +44,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     settings = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
     objective = Objective(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level,
-                          args.max_new_tokens)
+                          args.max_new_tokens, args.delta)
     update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=objective,
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler)
     print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
@@ -101,6 +101,7 @@ class Objective:
     loss_type: str              # grpo | dapo | dr_grpo
     ratio_level: str            # token | sequence (GSPO)
     max_tokens: int             # the generation budget: Dr. GRPO's constant
+    delta: float | None         # dual clip: the ratio's cap where the advantage is negative; None: off
 
 
 # ----------------------------------------------------------------------------------------------------------------------
