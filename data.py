@@ -42,13 +42,16 @@ class Task:
         """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
         return [self.response_prefix + c for c in completions]
 
-    def score(self, rows, completions, G=1):
+    def score(self, rows, completions, G=1, lengths=None):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G first, as
         sampled) and each function's {name: [N]}. The functions see the responses (prefix + completion) and each
-        row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each."""
+        row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each, and
+        each completion's token count (`completion_lengths`, from `lengths` [N])."""
         rows = [row for row in rows for _ in range(G)]
         columns = {name: [row.get("fields", {}).get(name) for row in rows] for name in field_names(rows)}
         columns["prompts"] = [row["question"] for row in rows]
+        if lengths is not None:
+            columns["completion_lengths"] = [int(n) for n in lengths]
         return rewards.score(self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns)
 
 

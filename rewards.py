@@ -8,13 +8,13 @@ The reward-function contract: a reward function is any callable
 with one float per completion. `completions` are the responses (the --response-prefix, then the generated text;
 no prompt); `answers` are the rows' reference answers (GSM8K: the final number), in the same order. A function may
 also declare keyword parameters, and then gets them as lists aligned with the completions: `prompts` (each row's
-prompt as the data gives it, before the chat template) and any other field of the data rows, by its name (a
-`**kwargs` parameter gets them all). A task (data.Task) lists such functions with weights; train.py adds them up
+prompt as the data gives it, before the chat template), `completion_lengths` (token counts, EOS included) and any
+other field of the data rows, by its name (a `**kwargs` parameter gets them all). A task (data.Task) lists such functions with weights; train.py adds them up
 (total = sum of weight * reward) and logs each one separately under its name (see REWARD_FUNCS). A function that
 needs no reference, like format_reward, still takes `answers` and ignores it.
 
-overlong_penalty does not fit the contract: it scores token lengths, not texts, and train.py does
-not apply it. It is here for a reward that knows the lengths (the completion mask's row sums).
+overlong_penalty scores token lengths, not texts: overlong_reward wraps it as a function that declares
+`completion_lengths` (--overlong-buffer N).
 
 Robustness: every function here returns a float for any string (empty, 100,000 characters,
 unicode, NUL bytes, unbalanced or nested tags, 100,000 digits) and never raises on model output.
@@ -207,9 +207,10 @@ def check_signature(name, fn, fields):
         raise UserError(f"reward function {name!r} must take two arguments, (completions, answers), and return one "
                         f"float per completion; its signature is {name}{inspect.signature(fn)}.")
     for p in positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]:
-        if p.default is p.empty and p.name not in ("prompts", *fields):
-            raise UserError(f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts` "
-                            f"nor a field of the data rows (fields: {', '.join(fields) or 'none'}).")
+        if p.default is p.empty and p.name not in ("prompts", "completion_lengths", *fields):
+            raise UserError(f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts`, "
+                            f"`completion_lengths` nor a field of the data rows (fields: "
+                            f"{', '.join(fields) or 'none'}).")
 
 
 def wanted(fn, columns):
@@ -313,10 +314,12 @@ def from_flags(args, defaults, fields=()):
     `fields`: the data rows' other fields, which a function may declare as parameters."""
     named = [load_reward_fn(spec) for spec in args.reward_fn] if args.reward_fn else list(defaults)
     names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
+    names += ["overlong"] if args.overlong_buffer > 0 else []
     weights = args.reward_weights or [1.0] * len(names)
     if len(weights) != len(names):
         raise UserError(f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
-                        f"models ({', '.join(names)}): {len(names)} numbers, got {len(weights)}.")
+                        f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
+                        f"{len(weights)}.")
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UserError(f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
@@ -324,7 +327,17 @@ def from_flags(args, defaults, fields=()):
     for name, fn in named:
         check_signature(name, fn, fields)
     named += [(model_name(path), RewardModel(path, args.device, args.trust_remote_code)) for path in args.reward_model]
+    if args.overlong_buffer > 0:
+        named.append(("overlong", overlong_reward(args.max_new_tokens, args.overlong_buffer)))
     return weighted(named, weights)
+
+
+def overlong_reward(max_tokens, buffer):
+    """--overlong-buffer: DAPO's soft overlong punishment (overlong_penalty, eq. 13) as a reward function of the
+    completions' token counts, with L_max = max_tokens (the generation budget) and L_cache = buffer."""
+    def overlong(completions, answers, completion_lengths):
+        return overlong_penalty(completion_lengths, max_tokens, buffer)
+    return overlong
 
 
 def model_name(path_or_id):

@@ -36,10 +36,16 @@ class Rollouts:
     texts: list                    # B*G completions decoded up to EOS, special tokens dropped
     group_size: int                # G
     temperature: float             # what they were sampled at: their log-probs are taken at it too
+    truncated: torch.Tensor | None = None  # [B*G] bool: no EOS within max_new_tokens (cut off by the budget)
 
     @property
     def prompt_length(self):
         return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+    @property
+    def lengths(self):
+        """[B*G] completion tokens up to and including EOS (from the attention mask: --mask-truncated leaves it)."""
+        return self.attention_mask[:, self.prompt_length:].sum(1)
 
 
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the autocast compute dtype
@@ -213,8 +219,9 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, m
     completion_ids = sequences[:, prompt_ids.shape[1]:]                                  # [B*G, C]
     mask = grpo.completion_mask(completion_ids, eos)                                     # [B*G, C]
     attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=device)).any(1)     # [B*G]
     return Rollouts(sequences, attention_mask, mask, decode_completions(tokenizer, completion_ids, mask),
-                    group_size, settings.temperature)
+                    group_size, settings.temperature, truncated)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -222,7 +229,8 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, m
 
 
 def _chosen_logprobs(logits, targets, temperature, chunk_size):
-    """log softmax(logits / temperature)[target] for logits [M, V], targets [M], chunk_size rows at a time.
+    """(log softmax(logits / temperature)[target], entropy of that softmax) for logits [M, V], targets [M], chunk_size
+    rows at a time: [M] each, the entropy without grad.
 
     The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
     fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
@@ -232,17 +240,28 @@ def _chosen_logprobs(logits, targets, temperature, chunk_size):
         return chunk.gather(-1, chunk_targets[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
 
     recompute = torch.is_grad_enabled() and logits.requires_grad
-    out = []
+    out, entropy = [], []
     for s in range(0, logits.shape[0], chunk_size):
         args = (logits[s:s + chunk_size], targets[s:s + chunk_size])
         out.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute
                    else chunk_logprobs(*args))
-    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+        with torch.no_grad():
+            entropy.append(_entropy(args[0].float() / temperature))
+    if not out:
+        return (logits.new_zeros(0, dtype=torch.float32),) * 2
+    return torch.cat(out), torch.cat(entropy)
+
+
+def _entropy(logits, lse=None):
+    """H = -Σ p log p of softmax(logits [n, V]), per row: logsumexp - Σ p · logits (lse: the rows' logsumexp)."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    return lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
 
 
 class _LinearLogprobs(torch.autograd.Function):
     """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W [V, H],
-    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist.
+    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist. The entropy of
+    each row's softmax comes with it, from the same chunks (a second output, without grad).
     Under autocast the matmuls run in the autocast dtype, as the model's own lm-head would, in forward and in
     backward alike, so backward recomputes exactly the logits forward saw."""
 
@@ -251,22 +270,24 @@ class _LinearLogprobs(torch.autograd.Function):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        lse = torch.empty_like(out)
+        lse, entropy = torch.empty_like(out), torch.empty_like(out)
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             for s in range(0, h.shape[0], chunk_size):
                 logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
                 lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
                 out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
+                entropy[s:s + chunk_size] = _entropy(logits, lse[s:s + chunk_size])
         # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
         # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
         last = logits if h.shape[0] else None
         ctx.save_for_backward(hidden, weight, targets, lse, last)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
-        return out - lse
+        ctx.mark_non_differentiable(entropy)
+        return out - lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         hidden, weight, targets, lse, last = ctx.saved_tensors
         size, device = ctx.chunk_size, hidden.device.type
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -324,17 +345,20 @@ def _features(model, input_ids, attention_mask, position_ids, num_positions, use
 
 
 def _logprobs(features, head, targets, temperature, chunk_size):
-    """[N, k] log-probs of targets [N, k] from _features' output."""
+    """([N, k] log-probs of targets [N, k], [N, k] entropies) from _features' output."""
     n, k = targets.shape
     flat = features.reshape(n * k, features.shape[-1])
     if head is not None:
-        return _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size).view(n, k)
-    return _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size).view(n, k)
+        logps, entropy = _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size)
+    else:
+        logps, entropy = _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size)
+    return logps.view(n, k), entropy.view(n, k)
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, *,
-                   group_size=1, chunk_size=1024):
-    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C].
+                   group_size=1, chunk_size=1024, entropy=False):
+    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C]; with
+    entropy=True also [N, C] H(π(· | q, o_<t)), the entropy of the distribution each token was drawn from (no grad).
 
     The logits are divided by the sampling temperature, so these are the probabilities generation sampled
     from. Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
@@ -359,14 +383,17 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
                                        position_ids[::group_size, :p], 1, use_cache=True)
         if cache is not None and hasattr(cache, "batch_repeat_interleave"):
             first = _logprobs(first.repeat_interleave(group_size, dim=0), head, targets[:, :1],
-                              temperature, chunk_size)                        # [N, 1]
+                              temperature, chunk_size)                        # [N, 1] each
             if c == 1:
-                return first
+                return first if entropy else first[0]
             cache.batch_repeat_interleave(group_size)                        # [B, ...] -> [B*G, ...]
             # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and each other.
             rest, head, _ = _features(model, input_ids[:, p:-1], attention_mask[:, :-1], position_ids[:, p:-1],
                                       c - 1, use_cache=True, past_key_values=cache)
-            return torch.cat([first, _logprobs(rest, head, targets[:, 1:], temperature, chunk_size)], dim=1)
+            rest = _logprobs(rest, head, targets[:, 1:], temperature, chunk_size)
+            logps, entropies = (torch.cat(pair, dim=1) for pair in zip(first, rest))
+            return (logps, entropies) if entropy else logps
     # Plain path: positions P-1 .. P+C-2 predict the C completion tokens.
     features, head, _ = _features(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids[:, :-1], c)
-    return _logprobs(features, head, targets, temperature, chunk_size)
+    logps, entropies = _logprobs(features, head, targets, temperature, chunk_size)
+    return (logps, entropies) if entropy else logps

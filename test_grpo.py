@@ -359,6 +359,23 @@ def test_token_logprobs_equal_naive_with_left_padding_and_temperature_0_7(group_
     assert (token_logprobs(model, ids, attention, 5, 1.0) - logps).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("group_size", [1, 4], ids=["plain", "prompt-once-per-group"])
+@pytest.mark.parametrize("plain_head", [True, False], ids=["chunked-lm-head", "logits-path"])
+def test_entropy_from_the_chunked_head_equals_the_naive_softmax_entropy(group_size, plain_head, monkeypatch):
+    # fp32 on both sides, differing in summation order only (~1e-7); 1e-5 as for the log-probs.
+    if not plain_head:
+        monkeypatch.setattr(sampling, "PLAIN_HEAD_MODEL_TYPES", set())
+    model = tiny_llama()
+    ids, attention = left_padded_batch(group_size=4)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -6:-1] / 0.7
+    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)          # [12, 5]
+    logps, entropy = token_logprobs(model, ids, attention, 5, 0.7, group_size=group_size, chunk_size=3, entropy=True)
+    torch.testing.assert_close(entropy, expected.detach(), rtol=0, atol=1e-5)
+    assert not entropy.requires_grad and logps.requires_grad
+    assert 0 < entropy.min() and entropy.max() <= math.log(model.config.vocab_size) + 1e-5  # H is in (0, log V]
+
+
 def test_token_logprobs_with_gradient_checkpointing_falls_back_to_plain_path():
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
@@ -918,17 +935,19 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
     completion = torch.tensor([[1, 1, 0, 0]] * 4 + [[1, 1, 1, 1]] * 4)  # micro-batch 1 needs 2 columns, 2 needs 4
     rollouts = tiny_rollouts(completion)
     ids = rollouts.input_ids
-    expected = torch.zeros(8, 4)
+    expected, entropy = torch.zeros(8, 4), torch.zeros(8, 4)
     with torch.no_grad():
-        expected[:4, :2] = token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, 1.0)
-        expected[4:] = token_logprobs(model, ids[4:], torch.ones(4, 7), 4, 1.0)
+        expected[:4, :2], entropy[:4, :2] = token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, 1.0, entropy=True)
+        expected[4:], entropy[4:] = token_logprobs(model, ids[4:], torch.ones(4, 7), 4, 1.0, entropy=True)
     optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
     update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
                                torch.tensor([1.0, -1.0] * 4), ref_logps=None,
                                objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4, None), micro_batch_size=4)
-    _, old = update(old_logps=None)
+    stats, old = update(old_logps=None)
     assert torch.allclose(old, expected, atol=1e-5)
+    # the logged entropy: the token mean over the completion mask, of the policy before the update (fp32: 1e-5)
+    assert stats["entropy"] == pytest.approx((entropy * completion).sum().item() / completion.sum().item(), abs=1e-5)
     assert (old[:4, 2:] == 0).all() and (old[:4, :2] < 0).all()
     stats, after = update(old_logps=old)  # iteration 2: its ratio is against iteration 1's log-probs
     assert not torch.allclose(after, old, atol=1e-4) and stats["ratio"] != 1.0
@@ -1379,6 +1398,62 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+# --- algorithm options: overlong handling, dynamic sampling, beams ---------------------------------------------------
+
+
+def half_truncated(real_generate):
+    """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the budget without EOS."""
+    def generate(model, prompt_ids, prompt_mask, settings, *a, **kw):
+        P, C = prompt_ids.shape[1], settings.max_new_tokens
+        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)[:, :P]
+        completions = torch.full((out.shape[0], C), 10)
+        completions[::2, 2], completions[::2, 3:] = demo.EOS, demo.PAD
+        return torch.cat([out, completions], dim=1)
+    return generate
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["default", "mask-truncated"])
+def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fraction(tmp_path, monkeypatch, flag):
+    masks, real_loss = [], grpo.grpo_loss
+    monkeypatch.setattr(sampling, "generate", half_truncated(sampling.generate))
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: masks.append(a[4].clone()) or real_loss(*a, **kw))
+    run_tiny(tmp_path / "run", *(["--mask-truncated"] if flag else []))
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["frac_truncated"] == 0.5 and row["completion_len_mean"] == (3 + 6) / 2  # lengths as generated
+    tokens = torch.cat([m.sum(1) for m in masks])  # per completion, over the two micro-batches (trimmed to their need)
+    assert tokens[::2].tolist() == [3] * 8 and tokens[1::2].tolist() == [0 if flag else 6] * 8
+
+
+def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
+    real_generate = sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda m, ids, *a, **kw: torch.cat(
+        [real_generate(m, ids, *a, **kw)[:, :ids.shape[1]], torch.full((16, 6), 10)], dim=1))
+    run_tiny(tmp_path / "run", "--mask-truncated", "--seed", "42")
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["frac_truncated"] == 1.0
+    initial, _ = demo.model_and_tokenizer(seed=42)  # the run's starting weights (no warm-up)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()
+    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
+
+
+def test_overlong_reward_is_dapo_eq_13_of_the_token_counts():
+    overlong = rewards.overlong_reward(max_tokens=10, buffer=4)  # 0 up to 6 tokens, then linear to -1 at 10
+    assert overlong(["a"] * 5, [None] * 5, completion_lengths=[1, 6, 7, 8, 10]) == [0.0, 0.0, -0.25, -0.5, -1.0]
+
+
+def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
+    # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so its mean is
+    # -(mean length)/6; float32 means: 1e-6.
+    train.main(tiny_argv(tmp_path / "run", "--reward-fn", "format", "--overlong-buffer", "6", "--reward-weights",
+                         "1.0,0.5"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["rewards/overlong"] == pytest.approx(-row["completion_len_mean"] / 6, abs=1e-6)
+    assert row["reward"] == pytest.approx(row["rewards/format"] + 0.5 * row["rewards/overlong"], abs=1e-6)
+    with pytest.raises(config.UserError, match=re.escape("(format, overlong): 2 numbers, got 1")):
+        train.setup(config.parse_args(tiny_argv(tmp_path / "x", "--reward-fn", "format", "--overlong-buffer", "6",
+                                                "--reward-weights", "1.0")))
+
+
 # --- eval and the GSM8K path on a local model directory ---------------------------------------------------------------
 
 
@@ -1617,8 +1692,8 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
     monkeypatch.chdir(tmp_path)
     write_module(tmp_path, "needs_more", "def wants_topic(completions, answers, topic):\n    return [0.0]\n"
                                           "def one_arg(completions):\n    return [0.0]\n")
-    for fn, message in [("wants_topic", "requires the argument 'topic', which is neither `prompts` nor a field of "
-                                        "the data rows (fields: id)"),
+    for fn, message in [("wants_topic", "requires the argument 'topic', which is neither `prompts`, "
+                                        "`completion_lengths` nor a field of the data rows (fields: id)"),
                         ("one_arg", "must take two arguments, (completions, answers)")]:
         with pytest.raises(config.UserError, match=re.escape(message)):
             train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}")))

@@ -59,7 +59,9 @@ def train(args, task, model, tokenizer, resume_dir=None):
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
-            reward, per_fn = task.score(rows, rollouts.texts, G)  # 8: r_i [B*G], each function's {name: [B*G]}
+            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths)  # 8: r_i [B*G], {name: [B*G]}
+            if args.mask_truncated:  # a completion the budget cut off gets no loss (its reward is still scored)
+                rollouts.completion_mask[rollouts.truncated] = 0
             advantages = grpo.group_advantages(reward, G, scale=args.scale_rewards)  # 9: Â_i,t, the same for all t
             advantages = advantages.to(rollouts.input_ids.device)                    # [B*G]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
@@ -119,15 +121,16 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
     mask = rollouts.completion_mask                                                # [N, C]
     normalizer = grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)
     lr = scheduler.get_last_lr()[0]
-    totals = dict(loss=0.0, tokens=0, kl=0.0, clipped=0, ratio=0.0)
+    totals = dict(loss=0.0, tokens=0, kl=0.0, clipped=0, ratio=0.0, entropy=0.0)
     logps_before = torch.zeros(mask.shape, device=mask.device)                      # [N, C]
     optimizer.zero_grad(set_to_none=True)
     for rows in micro_batches(mask.shape[0], micro_batch_size):
         ids, attn, keep = trim(rollouts, rows)
         with sampling.autocast(ids.device, amp):
-            logps = sampling.token_logprobs(model, ids, attn, keep, rollouts.temperature,
-                                            group_size=rollouts.group_size)         # [n, keep], with grad
+            logps, entropy = sampling.token_logprobs(model, ids, attn, keep, rollouts.temperature, entropy=True,
+                                                     group_size=rollouts.group_size)  # [n, keep]: with grad, without
         logps_before[rows, :keep] = logps.detach()
+        totals["entropy"] += (entropy * mask[rows, :keep]).sum().item()
         old = None if old_logps is None else old_logps[rows, :keep]
         ref = None if ref_logps is None else ref_logps[rows, :keep]
         stats = {}
@@ -140,7 +143,8 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
     grad_norm, skipped = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"])
     tokens = max(totals["tokens"], 1)
     return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
-                ratio=totals["ratio"] / tokens, grad_norm=float(grad_norm), lr=lr, skipped=skipped), logps_before
+                ratio=totals["ratio"] / tokens, entropy=totals["entropy"] / tokens, grad_norm=float(grad_norm), lr=lr,
+                skipped=skipped), logps_before
 
 
 def count_zero_std(streak, frac_zero_std, args, done):
@@ -238,7 +242,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             chunk = rows[i: i + batch_size]
             prompts = [task.query(tokenizer, row["question"]) for row in chunk]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
-            total, per_fn = task.score(chunk, rollouts.texts, samples)
+            total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
             chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
                 print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {format_seconds(time.time() - t0)}", flush=True)
@@ -290,7 +294,7 @@ def save_if_due(run, task, args, done, last=False):
 
 def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
     skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
-    lengths = rollouts.completion_mask.sum(1).float()
+    lengths = rollouts.lengths.float()
     groups = reward.view(-1, rollouts.group_size)
     return dict(
         loss=float(np.mean([u["loss"] for u in updates])),
@@ -300,9 +304,11 @@ def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
         **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
         kl=float(np.mean([u["kl"] for u in updates])),
         clip_frac=float(np.mean([u["clip_frac"] for u in updates])),
+        entropy=float(np.mean([u["entropy"] for u in updates])),
         grad_norm=float(np.mean([u["grad_norm"] for u in updates])),
         completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
         frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
+        frac_truncated=rollouts.truncated.float().mean().item(),
         lr=updates[0]["lr"], step_time=seconds, tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
         skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
 
@@ -311,7 +317,7 @@ def log_step(path, step, args, m, reward_names):
     per_fn = " ".join(f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names)
     kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
     print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
-          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f}/"
+          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
           f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
           f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
           + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
