@@ -4,14 +4,17 @@
     python bench.py --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
     python bench.py --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
     BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --vs-trl --config tiny   # c. the same step in TRL
+    BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --parity   # e. our loss and gradients = TRL's, 57 cases
 
---vs-trl needs TRL, which is not in requirements.txt; install it beside the pinned versions, in its own venv:
+--vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned versions, in a venv:
     python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
 Every measurement runs in a fresh subprocess (`bench.py --worker ...`), so one variant's memory never counts against
 another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing is downloaded.
 """
 import argparse
 import contextlib
+import copy
+import itertools
 import json
 import os
 import re
@@ -354,7 +357,7 @@ def run_worker(a, name, *extra):
              "--max-new-tokens", a.max_new_tokens, "--steps", a.steps, "--warmup", a.warmup, "--lr", a.lr,
              "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--dtype", a.dtype,
              "--threads", a.threads, *extra]
-    python = os.environ.get("BENCH_PYTHON", sys.executable) if name == "trl" else sys.executable
+    python = os.environ.get("BENCH_PYTHON", sys.executable) if name in ("trl", "parity") else sys.executable
     proc = subprocess.run([python, os.path.abspath(__file__), *map(str, flags)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -438,6 +441,236 @@ def bench_vs_trl(a, rows):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# e. Parity with TRL's loss: the same model, batch, advantages, π_old and π_ref log-probs and settings through
+# train.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through GRPOTrainer.compute_loss (trl 1.16.0);
+# the losses and the gradients of every parameter must agree. One tiny fp32 Llama, one batch, one process (the bench
+# env's python, where TRL is installed; our side runs there too, on the same torch and transformers).
+#
+# Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL value|): absolute for the losses and gradients here, which are
+# of order 1 or less, relative beyond that. Both sides compute in fp32 (rounding 6e-8) but sum in different orders (our
+# chunked lm-head over a KV cache shared by each group vs TRL's tiled fused head over whole rows), so they agree to
+# some hundred ulps of the largest term: a fixed absolute bound would be meaningless for values much larger than 1.
+PARITY_TOL = 1e-5
+# B=2 prompts of 6 and 4 tokens (left-padded) x G=4 completions of nonuniform lengths (< 12: ends with EOS; 12:
+# truncated), 38 tokens in group 1 and 23 in group 2; sampled at T=0.7 (both sides divide the logits by it).
+PARITY_SHAPE = dict(vocab=256, group=4, prompt_lens=(6, 4), completion_lens=(12, 9, 5, 12, 3, 12, 7, 1),
+                    temperature=0.7)
+
+
+def parity_batch(model):
+    """The batch as both sides take it: ours a sampling.Rollouts, TRL the dict its _generate_and_score_completions
+    returns (prompt/completion ids and masks, advantages, π_old's and π_ref's log-probs; parity_trl adds the token
+    count).
+    π_old = π_θ + noise (std 0.3 per token, plus std 0.6 per completion, so whole sequences move too) and π_ref = π_θ
+    + noise of std 0.2: ratios leave [1-ε, 1+ε_high] and δ at both ratio levels, so every clip engages (see
+    parity_engagement), and the KL is not 0."""
+    s, g = PARITY_SHAPE, torch.Generator().manual_seed(0)
+    G, P, C = s["group"], max(s["prompt_lens"]), max(s["completion_lens"])
+    prompt_ids = torch.zeros(len(s["prompt_lens"]), P, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for b, n in enumerate(s["prompt_lens"]):
+        prompt_ids[b, P - n:], prompt_mask[b, P - n:] = torch.randint(2, s["vocab"], (n,), generator=g), 1
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # [N, P]
+    lengths = torch.tensor(s["completion_lens"])
+    completion_mask = (torch.arange(C) < lengths[:, None]).long()                                  # [N, C]
+    completion_ids = torch.randint(2, s["vocab"], (len(lengths), C), generator=g) * completion_mask  # pad id 0
+    ended = lengths < C
+    completion_ids[ended, lengths[ended] - 1] = demo.EOS
+    assert torch.equal(completion_mask, grpo.completion_mask(completion_ids, demo.EOS))
+    rollouts = sampling.Rollouts(torch.cat([prompt_ids, completion_ids], 1),
+                                 torch.cat([prompt_mask, completion_mask], 1), completion_mask, [""] * len(lengths),
+                                 G, s["temperature"])
+    advantages = grpo.group_advantages(torch.rand(len(lengths), generator=g), G)
+    current = train.frozen_logps(model, rollouts, len(lengths)) * completion_mask
+    noise = 0.3 * torch.randn(current.shape, generator=g) + 0.6 * torch.randn(len(lengths), 1, generator=g)
+    old = (current + noise) * completion_mask
+    ref = (current + 0.2 * torch.randn(current.shape, generator=g)) * completion_mask
+    trl = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+               completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref)
+    return dict(rollouts=rollouts, advantages=advantages, old=old, ref=ref, current=current, trl=trl)
+
+
+def parity_engagement(batch):
+    """{ratio level: {clip: the completion tokens it acts on at θ}}: ε's low clip (Â < 0), ε_high's high clip (Â > 0,
+    with ε_high = ε and 0.28) and δ = 1.5's dual clip (Â < 0). A clip that acts on no token would go untested."""
+    m, adv = batch["trl"]["completion_mask"].bool(), batch["advantages"][:, None]
+    log_ratio = torch.where(m, batch["current"] - batch["old"], 0.0)
+    seq = (log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True)).expand_as(log_ratio)
+    out = {}
+    for level, ratio in (("token", log_ratio.exp()), ("sequence", seq.exp())):
+        clips = dict(low=(ratio < 0.8) & (adv < 0), high=(ratio > 1.2) & (adv > 0),
+                     high_028=(ratio > 1.28) & (adv > 0), dual=(ratio > 1.5) & (adv < 0))
+        out[level] = {k: int((v & m).sum()) for k, v in clips.items()}
+    return out
+
+
+def named_grads(model):
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()}
+
+
+def parity_ours(model, batch, objective, micro, rows=slice(None)):
+    """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of `micro` rows:
+    train.policy_update itself, with an optimizer that cannot move the weights (SGD at lr 0) and no clipping (max
+    norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients stay in .grad."""
+    r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
+    part = sampling.Rollouts(r.input_ids[rows], r.attention_mask[rows], r.completion_mask[rows], r.texts[rows],
+                             r.group_size, r.temperature)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats, _ = train.policy_update(model, optimizer, get_scheduler("constant", optimizer), part, advantages[rows],
+                                   old[rows], ref[rows] if objective.beta else None, objective=objective,
+                                   micro_batch_size=micro, max_grad_norm=float("inf"))
+    return stats["loss"], named_grads(model)
+
+
+def parity_trainer(model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None):
+    """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused log-prob head), set as
+    ours: same loss, ε, ε_high, δ, β, ratio level, temperature, max_completion_length; every TRL extra off."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    s = PARITY_SHAPE
+    args = GRPOConfig(
+        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
+        num_generations=s["group"], max_completion_length=max(s["completion_lens"]), temperature=s["temperature"],
+        loss_type=case["loss_type"], beta=case["beta"], epsilon=0.2, epsilon_high=case["epsilon_high"],
+        delta=case["delta"], importance_sampling_level=case["ratio_level"], num_iterations=2,  # π_old != π_θ
+        use_vllm=False, use_liger_kernel=False, mask_truncated_completions=False, top_entropy_quantile=1.0,
+        entropy_coef=0.0, use_adaptive_entropy=False, off_policy_mask_threshold=None, use_bias_correction_kl=False,
+        cast_lm_head_to_fp32=False, disable_dropout=True)
+    dataset = Dataset.from_dict({"prompt": ["w0"] * 8, "answer": ["42"] * 8})  # unused: no generation happens here
+    return GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
+                       args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def parity_trl(trainer, batch, micro_rows, accumulation=1):
+    """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice of the generation
+    batch, backward after each, as Trainer.training_step does (GRPOTrainer's loss_is_scaled_for_ga: Trainer adds no
+    scaling of its own). Returns the sum of the micro-batch losses and the accumulated gradients."""
+    inputs = batch["trl"]
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.current_gradient_accumulation_steps = accumulation  # what Trainer's loop sets for each window
+    losses = []
+    for rows in micro_rows:
+        micro = {k: v[rows] for k, v in inputs.items()}
+        # num_items_in_batch: the tokens of the whole generation batch (all micro-batches), as TRL computes it
+        micro["num_items_in_batch"] = inputs["completion_mask"].sum()
+        loss = trainer.compute_loss(trainer.model, micro)
+        loss.backward()
+        losses.append(loss.item())
+    return sum(losses), named_grads(trainer.model)
+
+
+def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
+    """A table row; TRL's loss and gradients times trl_scale (a deliberate normalization difference) must match."""
+    (our_loss, our_grads), (trl_loss, trl_grads) = ours, trl
+    diff = max((our_grads[k] - trl_grads[k]).abs().max().item() for k in our_grads)
+    loss_ok = abs(our_loss - trl_scale * trl_loss) <= PARITY_TOL * max(1.0, abs(trl_loss))
+    largest = max(trl_scale * g.abs().max().item() for g in trl_grads.values())
+    grad_ok = max((our_grads[k] - trl_scale * trl_grads[k]).abs().max().item() for k in our_grads) <= \
+        PARITY_TOL * max(1.0, largest)
+    ok = loss_ok and grad_ok
+    return dict(case=name, ours=our_loss, trl=trl_loss, diff=diff, ok=ok,
+                result=("pass" if ok else "FAIL") + (f" {note}" if note else ""))
+
+
+def parity_cases():
+    """Every combination: loss type x β (KL to π_ref) x ε_high (clip-higher) x δ (dual clip) x ratio level."""
+    for loss_type, beta, epsilon_high, delta, ratio_level in itertools.product(
+            ("grpo", "dapo", "dr_grpo"), (0.0, 0.04), (None, 0.28), (None, 1.5), ("token", "sequence")):
+        yield dict(loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, delta=delta, ratio_level=ratio_level)
+
+
+def parity_name(case):
+    return (f"{case['loss_type']:<7} beta={case['beta']:<4} eps_high={case['epsilon_high'] or '-':<4} "
+            f"delta={case['delta'] or '-':<3} {case['ratio_level']}")
+
+
+def parity_accumulation(model, tokenizer, tmp, batch):
+    """Several micro-batches per generation batch, where TRL's normalizers come into play (β, ε_high, δ on).
+
+    gradient_accumulation_steps=2 (steps_per_generation defaults to it): one optimizer step over two micro-batches of
+    one group each. TRL divides grpo's per-micro-batch mean of per-sequence means, and dr_grpo's, by the number of
+    micro-batches, and dapo's token sum by num_items_in_batch (the generation batch's tokens) x GAS / steps_per_gen,
+    which is all its tokens here: the totals are the whole batch's, as our whole-batch normalizer gives: must match.
+
+    steps_per_generation=2 with GAS=1: one generation feeds two optimizer steps of one group each (a layout our loop
+    does not have: it updates on the whole batch). grpo and dr_grpo still match ours on each group taken as a batch.
+    dapo differs by design: TRL divides each step by the generation batch's tokens / 2 (the average tokens per step,
+    the same for every step of a generation), we by the tokens of the batch the step uses. DAPO's token-level loss
+    (arXiv 2503.14476, eq. 8) normalizes by all tokens of the batch a gradient step uses (1 / Σ_i |o_i|): ours follows
+    it; in TRL a step of short completions weighs less. The row passes when TRL x (its normalizer / ours) = ours."""
+    n, tokens = len(batch["advantages"]), batch["trl"]["completion_mask"]
+    halves, rows = [slice(0, n // 2), slice(n // 2, n)], []
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        case = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token")
+        objective = train.Objective(epsilon=0.2, max_tokens=tokens.shape[1], **case)
+        trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
+        rows.append(parity_compare(f"{loss_type:<7} all on, GAS=2: 2 micro-batches, 1 step",
+                                   parity_ours(model, batch, objective, n // 2), parity_trl(trainer, batch, halves, 2)))
+        trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, steps_per_generation=2)
+        for i, half in enumerate(halves):
+            scale = tokens.sum().item() / 2 / tokens[half].sum().item() if loss_type == "dapo" else 1.0
+            note = f"(TRL differs by design: TRL = ours x {1 / scale:.3f})" if scale != 1.0 else ""
+            rows.append(parity_compare(f"{loss_type:<7} all on, steps_per_generation=2: step {i + 1}",
+                                       parity_ours(model, batch, objective, n // 2, half),
+                                       parity_trl(trainer, batch, [half]), scale, note))
+    return rows
+
+
+def worker_parity(a):
+    """e. (runs in the bench env): the table's rows, and how far TRL's per-token log-probs are from ours."""
+    import trl
+    s = PARITY_SHAPE
+    model = demo.tiny_llama(s["vocab"], 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    tokenizer = build_tokenizer(s["vocab"])
+    tmp = tempfile.mkdtemp(prefix="bench_parity_")
+    model.save_pretrained(tmp)  # TRL builds its reference model (beta > 0) with from_pretrained(_name_or_path)
+    model.config._name_or_path = tmp
+    batch = parity_batch(model)
+    n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
+    rows = []
+    for case in parity_cases():
+        objective = train.Objective(epsilon=0.2, max_tokens=mask.shape[1], **case)
+        trainer = parity_trainer(model, tokenizer, tmp, case, n)
+        rows.append(parity_compare(parity_name(case), parity_ours(model, batch, objective, n),
+                                   parity_trl(trainer, batch, [slice(None)])))
+    with torch.no_grad():  # TRL's per-token log-probs (its fused head at T) against ours (token_logprobs at T)
+        ids, attn = batch["rollouts"].input_ids, batch["rollouts"].attention_mask
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.shape[1])[0]
+    rows += parity_accumulation(model, tokenizer, tmp, batch)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dict(rows=rows, trl=trl.__version__, params=sum(p.numel() for p in model.parameters()),
+                logp_diff=((logps - batch["current"]) * mask).abs().max().item(), tokens=int(mask.sum()),
+                engaged=parity_engagement(batch))
+
+
+def bench_parity(a):
+    """e. The parity table; exits 1 if any case fails."""
+    t0 = time.perf_counter()
+    r = run_worker(a, "parity")
+    s = PARITY_SHAPE
+    print(f"{time.strftime('%Y-%m-%d')} | parity with trl {r['trl']}'s GRPOTrainer loss | torch {torch.__version__} "
+          f"cpu fp32 | Llama of {r['params']:,} parameters | {len(s['prompt_lens'])} prompts x G={s['group']}, "
+          f"completion lengths {list(s['completion_lens'])} ({r['tokens']} tokens), T={s['temperature']}")
+    print(f"per-token log-probs, max |ours - TRL|: {r['logp_diff']:.1e}; tokens each clip acts on: " + "; ".join(
+        f"{level} ratios: " + ", ".join(f"{k} {v}" for k, v in clips.items()) for level, clips in r["engaged"].items()))
+    width = max(len(row["case"]) for row in r["rows"])
+    print(f"{'case':<{width}}  {'our loss':>12}  {'TRL loss':>12}  {'max|dgrad|':>10}  result (tol {PARITY_TOL:g})")
+    for row in r["rows"]:
+        print(f"{row['case']:<{width}}  {row['ours']:>12.8f}  {row['trl']:>12.8f}  {row['diff']:>10.1e}  "
+              f"{row['result']}")
+    failed = [row["case"] for row in r["rows"] if not row["ok"]]
+    failed += [f"{level} {clip} clip never engages" for level, clips in r["engaged"].items()
+               for clip, count in clips.items() if count == 0]
+    print(f"{len(r['rows']) - len(failed)}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)")
+    if failed:
+        sys.exit(f"parity FAILED: {', '.join(failed)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # d. Memory from the architecture: what a run of train.py holds on the device, by part (bytes = count x width).
 
 
@@ -505,6 +738,9 @@ def build_parser():
     p.add_argument("--logprobs", action="store_true", help="a. chunked log-probs vs the naive log-softmax")
     p.add_argument("--step", action="store_true", help="b. one GRPO step of our loop, phase by phase")
     p.add_argument("--vs-trl", action="store_true", help="c. our step vs TRL's GRPOTrainer, alternating A B A B")
+    p.add_argument("--parity", action="store_true",
+                   help="e. our loss and gradients vs TRL GRPOTrainer's on one batch, every setting: prints a table, "
+                        "exits 1 on a mismatch (needs BENCH_PYTHON)")
     p.add_argument("--memory", action="store_true",
                    help="d. the memory a training run needs, computed from the config (no run): prints and exits")
     p.add_argument("--accumulation", type=int, default=4, help="--memory: prompts generated per step / batch-size")
@@ -548,10 +784,12 @@ def main():
     if a.memory:
         return memory_table(a)
     if a.worker:
-        work = dict(logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl)[a.worker]
+        work = dict(logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl, parity=worker_parity)[a.worker]
         print("RESULT " + json.dumps(work(a)), flush=True)
         return
 
+    if a.parity:
+        return bench_parity(a)
     if not (a.logprobs or a.step or a.vs_trl):
         a.logprobs = a.step = True
     rows = []

@@ -15,6 +15,7 @@ def build_parser():
     p = argparse.ArgumentParser(description="GRPO (DeepSeekMath eq. 3) on GSM8K with a hand-written loop.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_and_grpo_flags(p)
+    add_reward_flags(p)
     add_sampling_and_optimization_flags(p)
     add_run_flags(p)
     return p
@@ -67,9 +68,6 @@ def add_model_and_grpo_flags(p):
                         "INTELLECT-2); must exceed 1 + epsilon-high; if not given, off")
     g.add_argument("--mask-truncated", action="store_true",
                    help="completions that hit --max-new-tokens without EOS get no loss (their mask is all 0)")
-    g.add_argument("--overlong-buffer", type=int, default=0,
-                   help="DAPO's soft overlong punishment as one more reward (rewards/overlong): 0 up to "
-                        "max-new-tokens - N tokens, then falling linearly to -1 at max-new-tokens; 0: off")
     g.add_argument("--dynamic-sampling", action="store_true",
                    help="DAPO: drop groups whose rewards are all equal and sample more prompts until the step holds "
                         "batch-size x gradient-accumulation-steps groups with spread (at most --max-resample more "
@@ -79,6 +77,8 @@ def add_model_and_grpo_flags(p):
     g.add_argument("--num-iterations", type=int, default=1,
                    help="mu, optimizer updates per batch of samples; >1 keeps the first iteration's log-probs as "
                         "pi_old's")
+def add_reward_flags(p):
+    g = p.add_argument_group("rewards")
     g.add_argument("--reward-fn", action="append", metavar="MODULE:FUNCTION", default=[],
                    help="a reward function fn(completions, answers, **fields) -> list of floats, e.g. "
                         "my_rewards:brevity (./my_rewards.py), or a built-in: correctness, format; repeatable. "
@@ -87,8 +87,11 @@ def add_model_and_grpo_flags(p):
                    help="a sequence classifier with one output scoring prompt + response, as one more reward; "
                         "repeatable or comma-separated")
     g.add_argument("--reward-weights", default=None,
-                   help="comma-separated weights, in the order: reward functions, then reward models; if not given, "
-                        "every weight is 1.0; total reward = weighted sum")
+                   help="comma-separated weights, in the order: reward functions, then reward models, then the "
+                        "overlong penalty; if not given, every weight is 1.0; total reward = weighted sum")
+    g.add_argument("--overlong-buffer", type=int, default=0,
+                   help="DAPO's soft overlong punishment as one more reward (rewards/overlong): 0 up to "
+                        "max-new-tokens - N tokens, then falling linearly to -1 at max-new-tokens; 0: off")
 
 
 def add_sampling_and_optimization_flags(p):

@@ -33,10 +33,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
                losses then sum exactly to the full-batch loss. Default: this batch's own.
     ratio_level: "token" (eq. 3) | "sequence" (GSPO, arXiv 2507.18071: one ratio per completion,
                exp of the mean token log-ratio).
-    delta:     dual clip, None: off. The unclipped term uses min(r, δ): where Â < 0 the objective min(r Â, clip(r) Â)
-               would otherwise fall without bound as r grows (r = 10, Â = -1: -10); with δ it stops at δ Â and passes
-               no gradient beyond (two-sided clipping, INTELLECT-2, arXiv 2505.07291). Where Â > 0 it changes
-               nothing, as long as δ > 1 + ε_high.
+    delta:     dual clip (INTELLECT-2, arXiv 2505.07291), None: off. Where Â < 0, min(r Â, clip(r) Â) falls
+               without bound as r grows (r = 10, Â = -1: -10); min(r, δ) stops it at δ Â (δ > 1 + ε_high).
     stats: optional dict, filled with detached sums over this batch's unmasked tokens:
                "tokens", "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
     """
@@ -56,8 +54,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
     ratio = torch.exp(log_ratio)                                             # r_{i,t} = π_θ / π_old
     eps_high = epsilon if epsilon_high is None else epsilon_high
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)           # clip(r, 1-ε, 1+ε_high)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)       # dual clip: min(r, δ)
-    objective = torch.min(capped * adv, clipped_ratio * adv)                # min(r Â, clip(r) Â)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)    # r, or min(r, δ) with the dual clip
+    objective = torch.min(unclipped * adv, clipped_ratio * adv)             # min(r Â, clip(r) Â)
     if beta != 0:
         log_ref_ratio = torch.where(m, ref_logps - logps, 0.0)               # log(π_ref / π_θ)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0

@@ -464,7 +464,7 @@ def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_hea
     expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
     exp_h, exp_w = torch.autograd.grad((expected * upstream).sum(), [hidden, weight])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = sampling._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)   # 5 chunks, the last one partial
+        got, _ = sampling._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)  # 5 chunks, the last one partial
     got_h, got_w = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
     assert got.dtype == torch.float32 and hidden.grad is None
     torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)   # the same bf16 logits, fp32 after
@@ -1722,7 +1722,8 @@ def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(tmp_path, monkeypa
 def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
     argv = own_task_argv(tmp_path, "--reward-fn", "format,correctness", "--reward-weights", "1,2,3")
     with pytest.raises(config.UserError, match=re.escape("one weight per reward, in the order: reward functions, then "
-                                                         "reward models (format, correctness): 2 numbers, got 3")):
+                                                         "reward models, then the overlong penalty (format, "
+                                                         "correctness): 2 numbers, got 3")):
         train.setup(config.parse_args(argv))
     with pytest.raises(config.UserError, match="logged under the same name \\(format\\)"):
         train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")))
@@ -2004,7 +2005,7 @@ def test_readme_equation_map_points_at_lines_of_grpo_py():
     readme, code = source("README.md"), source("grpo.py")
     table = readme.split("## Equation to code")[1].split("\n\n")[2]  # the table after the section's first paragraph
     strings = [row.rsplit("|", 2)[1].strip().strip("`") for row in table.splitlines()[2:]]
-    assert len(strings) == 14 and all(strings)
+    assert len(strings) == 15 and all(strings)
     assert [s for s in strings if s not in code] == []
 
 
