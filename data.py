@@ -243,17 +243,19 @@ def load_rows(split, path, flag, read=None):
                         ) from None
 
 
-def batch_at(rows: list, batch_size: int, seed: int, step: int) -> list:
+def batch_at(rows: list, batch_size: int, seed: int, step: int, stream: int = 0) -> list:
     """The batch of rows for global training step `step`, computed from scratch (pure function).
 
     Each epoch visits the rows in a fresh random order: the permutation of epoch e comes from
     numpy's generator seeded with the pair (seed, e) (seed >= 0), so it depends on nothing but
     seed, e and len(rows). An epoch is len(rows) // batch_size batches; the few rows left over at the end of an
     epoch's order are skipped for that epoch (they are at a different place in the next shuffle).
+    stream k > 0: another order of the same kind, seeded with (seed, e, k): the extra prompts --dynamic-sampling
+    draws at step s in its k-th extra generate call, still a pure function of (seed, step, k).
     """
     if not 0 < batch_size <= len(rows):
         raise ValueError(f"batch_size must be between 1 and the number of rows ({len(rows)}), got {batch_size}")
     batches_per_epoch = len(rows) // batch_size
     epoch, index = divmod(step, batches_per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+    order = np.random.default_rng([seed, epoch] + ([stream] if stream else [])).permutation(len(rows))
     return [rows[i] for i in order[index * batch_size : (index + 1) * batch_size]]

@@ -1,5 +1,5 @@
-"""Training curves from a run's metrics.jsonl: OUTPUT_DIR/curves.png. matplotlib is optional; without it, one line
-says how to get the plot.
+"""What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (log_step), and the training curves drawn from
+them, OUTPUT_DIR/curves.png. matplotlib is optional; without it, one line says how to get the plot.
 
     python plot.py OUTPUT_DIR            # the same as: python train.py --plot OUTPUT_DIR
 
@@ -10,6 +10,8 @@ markers), the KL to the reference, the completion length, and the fraction of gr
 import json
 import os
 import sys
+
+import numpy as np
 
 
 def read_metrics(output_dir):
@@ -80,3 +82,85 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python plot.py OUTPUT_DIR")
     curves(sys.argv[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a run prints: one line per step on stdout, the same fields as JSON in OUTPUT_DIR/metrics.jsonl (README: What
+# is logged), a sampled completion now and then, the header and the closing before/after table.
+
+
+def step_metrics(reward, per_fn, rollouts, updates, times, steps_left, scheduler):
+    """The step's metrics; those of the updates are their mean over the μ iterations (0 when there was none).
+    times: every step's seconds so far (this one last), for the ETA."""
+    seconds, eta = times[-1], np.mean(times) * steps_left
+    skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
+
+    def mean(key):
+        return float(np.mean([u[key] for u in updates])) if updates else 0.0
+
+    lengths = rollouts.lengths.float()
+    groups = reward.view(-1, rollouts.group_size)
+    return dict(
+        loss=mean("loss"),
+        reward=reward.mean().item(), reward_std=reward.std().item(),
+        **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
+        **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
+        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
+        kl=mean("kl"),
+        clip_frac=mean("clip_frac"),
+        entropy=mean("entropy"),
+        grad_norm=mean("grad_norm"),
+        completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
+        frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
+        frac_truncated=rollouts.truncated.float().mean().item(),
+        lr=updates[0]["lr"] if updates else scheduler.get_last_lr()[0], step_time=seconds,
+        tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
+        skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
+
+
+def log_step(path, step, args, m, reward_names):
+    per_fn = " ".join(f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names)
+    kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
+    print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
+          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
+          f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
+          f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
+          + (f" | dynamic: {m['dynamic_groups']} groups kept, {m['dynamic_dropped']} dropped, {m['dynamic_calls']} "
+             "generate calls" if "dynamic_calls" in m else "")
+          + (" | SKIPPED the update: no group had reward spread" if m.get("skipped_no_spread") else "")
+          + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
+          flush=True)
+    write_log(path, {"step": step, **m})
+
+
+def write_log(path, row):
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def print_header(args, model):
+    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
+          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G="
+          f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
+
+
+def format_seconds(s):
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.0f}s"
+
+
+def print_sample(args, step, prompt, responses, reward, answer):
+    if args.sample_every <= 0 or step % args.sample_every:
+        return
+    print(f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
+          f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---", flush=True)
+
+
+def print_eval_table(evals, count, args):
+    """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the last."""
+    (first, before), (last, after) = evals[0], evals[-1]
+    print(f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
+          f"step {first} -> {last}")
+    width = max(len(name) for name in before) + 2
+    print(f"  {'':<{width}}{'before':>8}{'after':>8}{'change':>9}")
+    for name in before:
+        print(f"  {name:<{width}}{before[name]:>8.4f}{after[name]:>8.4f}{after[name] - before[name]:>+9.4f}")

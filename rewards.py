@@ -9,8 +9,9 @@ with one float per completion. `completions` are the responses (the --response-p
 no prompt); `answers` are the rows' reference answers (GSM8K: the final number), in the same order. A function may
 also declare keyword parameters, and then gets them as lists aligned with the completions: `prompts` (each row's
 prompt as the data gives it, before the chat template), `completion_lengths` (token counts, EOS included) and any
-other field of the data rows, by its name (a `**kwargs` parameter gets them all). A task (data.Task) lists such functions with weights; train.py adds them up
-(total = sum of weight * reward) and logs each one separately under its name (see REWARD_FUNCS). A function that
+other field of the data rows, by its name (a `**kwargs` parameter gets them all). A task (data.Task) lists such
+functions with weights; train.py adds them up (total = sum of weight * reward) and logs each one separately under
+its name (see REWARD_FUNCS). A function that
 needs no reference, like format_reward, still takes `answers` and ignores it.
 
 overlong_penalty scores token lengths, not texts: overlong_reward wraps it as a function that declares

@@ -5,6 +5,7 @@ grpo.py is the math and never sees a model; this file turns a model into what th
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
 """
 import contextlib
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 256
     max_prompt_length: int | None = None  # longer prompts lose their first tokens; None: the context - max_new_tokens
+
+    @classmethod
+    def of(cls, args):
+        """The training rollouts' settings, from the flags."""
+        return cls(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length)
 
 
 @dataclass
@@ -222,6 +228,36 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, m
     truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=device)).any(1)     # [B*G]
     return Rollouts(sequences, attention_mask, mask, decode_completions(tokenizer, completion_ids, mask),
                     group_size, settings.temperature, truncated)
+
+
+def select_groups(rollouts, groups):
+    """The rollouts of the listed groups only (indices into the B groups), in that order."""
+    G = rollouts.group_size
+    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long,
+                        device=rollouts.input_ids.device)
+    return dataclasses.replace(rollouts, input_ids=rollouts.input_ids[rows],
+                               attention_mask=rollouts.attention_mask[rows],
+                               completion_mask=rollouts.completion_mask[rows], texts=[rollouts.texts[i] for i in rows],
+                               truncated=None if rollouts.truncated is None else rollouts.truncated[rows])
+
+
+def concat_rollouts(parts):
+    """One Rollouts from several (of the same G and temperature): prompts left-padded to the longest, completions
+    right-padded to the longest (padding is masked out: attention 0, completion mask 0)."""
+    P = max(r.prompt_length for r in parts)
+    C = max(r.completion_mask.shape[1] for r in parts)
+
+    def pad(r, x, value):  # [n, p + c] -> [n, P + C]: the prompt part padded on the left, the completion on the right
+        p, c = r.prompt_length, r.completion_mask.shape[1]
+        return torch.cat([torch.nn.functional.pad(x[:, :p], (P - p, 0), value=value),
+                          torch.nn.functional.pad(x[:, p:], (0, C - c), value=value)], dim=1)
+
+    return Rollouts(torch.cat([pad(r, r.input_ids, 0) for r in parts]),
+                    torch.cat([pad(r, r.attention_mask, 0) for r in parts]),
+                    torch.cat([torch.nn.functional.pad(r.completion_mask, (0, C - r.completion_mask.shape[1]))
+                               for r in parts]),
+                    [t for r in parts for t in r.texts], parts[0].group_size, parts[0].temperature,
+                    torch.cat([r.truncated for r in parts]))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1454,6 +1454,51 @@ def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_coun
                                                 "--reward-weights", "1.0")))
 
 
+def odd_answers_spread(completions, answers):
+    """Groups of odd sums get rewards 0, 1, 2, 3 (always spread); groups of even sums all get 1.0 (never)."""
+    return [float(i % 4) if int(a) % 2 else 1.0 for i, a in enumerate(answers)]
+
+
+def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_until_the_batch_is_full(tmp_path):
+    run_tiny(tmp_path / "run", "--dynamic-sampling", "--seed", "3", reward=odd_answers_spread)
+    (row,) = read_metrics(tmp_path / "run")
+    problems = demo.setup(3, 0, 0.1)[2].train
+    odd, calls = 0, 0  # what the step must have done: batches of 4 prompts, stream k for the k-th extra call
+    while odd < 4 and calls <= 3:
+        odd += sum(int(r["answer"]) % 2 for r in batch_at(problems, 4, 3, 0, stream=calls))
+        calls += 1
+    assert calls > 1  # this seed's first batch is short of groups with spread
+    assert (row["dynamic_calls"], row["dynamic_groups"]) == (calls, 4)
+    assert row["dynamic_dropped"] == 4 * calls - odd and row["frac_zero_std"] == 0.0
+    assert row["reward"] == 1.5 and row["skipped_no_spread"] == 0  # kept: 0, 1, 2, 3 in each group
+
+
+def test_dynamic_sampling_with_no_spread_anywhere_skips_the_update_and_says_so(tmp_path, capsys):
+    run_tiny(tmp_path / "run", "--dynamic-sampling", "--max-resample", "2", "--seed", "42",
+             reward=lambda c, a: [1.0] * len(c))
+    (row,) = read_metrics(tmp_path / "run")
+    assert (row["skipped_no_spread"], row["dynamic_calls"], row["dynamic_groups"]) == (1, 3, 0)
+    assert row["dynamic_dropped"] == 12  # 3 calls x 4 groups
+    assert "SKIPPED the update: no group had reward spread" in capsys.readouterr().out
+    initial, _ = demo.model_and_tokenizer(seed=42)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()
+    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())  # beta > 0, but no update at all
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    argv = ["--dynamic-sampling", "--steps", "3", "--seed", "3", "--save-every", "1", "--lr-scheduler", "constant"]
+    run_tiny(tmp_path / "straight", *argv, reward=odd_answers_spread)
+    run_tiny(tmp_path / "resumed", *argv, "--steps", "1", reward=odd_answers_spread)  # the later --steps wins
+    run_tiny(tmp_path / "resumed", *argv, "--resume", reward=odd_answers_spread)
+    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(read_metrics(tmp_path / "straight"))
+
+
+def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
+    rows = list(range(20))
+    assert batch_at(rows, 4, 7, 3, stream=1) == batch_at(rows, 4, 7, 3, stream=1) != batch_at(rows, 4, 7, 3)
+    assert batch_at(rows, 4, 7, 3, stream=0) == batch_at(rows, 4, 7, 3)
+
+
 # --- eval and the GSM8K path on a local model directory ---------------------------------------------------------------
 
 
@@ -1749,7 +1794,8 @@ def nothing(completions, answers):
 
 @pytest.mark.parametrize("fn, message", [
     ("picky", "reward function 'picky' raised ZeroDivisionError: float division by zero (user_rewards.py:5) on a "
-              "batch of 8 completions; called on completion {first} alone it raises too; that completion began: {text}"),
+              "batch of 8 completions; called on completion {first} alone it raises too; that completion began: "
+              "{text}"),
     ("batch_only", "reward function 'batch_only' raised RuntimeError: only fails on batches (user_rewards.py:8) on a "
                    "batch of 8 completions; called on each completion alone it does not raise; the batch's first "
                    "completion began: "),

@@ -12,14 +12,12 @@ The flags are in config.py, the math in grpo.py, generation and log-probs in sam
 """
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import set_seed
 
@@ -41,15 +39,11 @@ def train(args, task, model, tokenizer, resume_dir=None):
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
     run = checkpoint.start(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
-    settings = sampling.Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length)
+    settings = sampling.Sampling.of(args)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
-    objective = Objective(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level,
-                          args.max_new_tokens, args.delta)
-    update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=objective,
+    update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=Objective.of(args),
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler)
-    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
-          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G={G}, "
-          f"mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
+    plot.print_header(args, model)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
@@ -60,26 +54,31 @@ def train(args, task, model, tokenizer, resume_dir=None):
             prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
             reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths)  # 8: r_i [B*G], {name: [B*G]}
+            dynamic = {}  # DAPO's dynamic sampling: drop groups without reward spread, sample more prompts to refill
+            if args.dynamic_sampling:
+                rows, rollouts, reward, per_fn, dynamic = fill_with_spread(run, task, args, step, rows, rollouts,
+                                                                           reward, per_fn)
+            mu = 0 if dynamic.get("skipped_no_spread") else args.num_iterations  # no group with spread: no update
             if args.mask_truncated:  # a completion the budget cut off gets no loss (its reward is still scored)
                 rollouts.completion_mask[rollouts.truncated] = 0
             advantages = grpo.group_advantages(reward, G, scale=args.scale_rewards)  # 9: Â_i,t, the same for all t
             advantages = advantages.to(rollouts.input_ids.device)                    # [B*G]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
-            ref_logps = None if run.ref_model is None else frozen_logps(
+            ref_logps = None if run.ref_model is None or mu == 0 else frozen_logps(
                 run.ref_model, rollouts, micro, amp, shared_prompt=not args.gradient_checkpointing)  # [B*G, C]
             old_logps = None                                      # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
-            for iteration in range(args.num_iterations):                            # 10: for GRPO iteration = 1..μ
+            for iteration in range(mu):                                             # 10: for GRPO iteration = 1..μ
                 stats, logps = update(rollouts, advantages, old_logps, ref_logps)   # 11: maximize eq. 3 (AdamW step)
                 updates.append(stats)
                 if old_logps is None and args.num_iterations > 1:
                     old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
                 nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
-            eta = np.mean(times) * (args.steps - step - 1)
-            metrics = step_metrics(reward, per_fn, rollouts, updates, times[-1], eta)
-            log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-            if args.sample_every > 0 and (step + 1) % args.sample_every == 0:
-                print_sample(step + 1, prompts[0], task.responses(rollouts.texts)[:1], reward[0], rows[0]["answer"])
+            metrics = {**plot.step_metrics(reward, per_fn, rollouts, updates, times, args.steps - step - 1,
+                                           run.scheduler), **dynamic}
+            plot.log_step(run.log_path, step + 1, args, metrics, list(per_fn))
+            plot.print_sample(args, step + 1, task.query(tokenizer, rows[0]["question"]),
+                              task.responses(rollouts.texts), reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
             save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
         except (KeyboardInterrupt, UserError) as e:  # Ctrl-C, or a run that cannot go on: keep what it learned
@@ -89,7 +88,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
         if stop:
             break
     if len(run.evals) > 1:
-        print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
+        plot.print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
     plot.curves(args.output_dir)
     return run.evals
 
@@ -104,6 +103,11 @@ class Objective:
     ratio_level: str            # token | sequence (GSPO)
     max_tokens: int             # the generation budget: Dr. GRPO's constant
     delta: float | None         # dual clip: the ratio's cap where the advantage is negative; None: off
+
+    @classmethod
+    def of(cls, args):
+        return cls(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level, args.max_new_tokens,
+                   args.delta)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -145,6 +149,38 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
     return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
                 ratio=totals["ratio"] / tokens, entropy=totals["entropy"] / tokens, grad_norm=float(grad_norm), lr=lr,
                 skipped=skipped), logps_before
+
+
+def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
+    """DAPO's dynamic sampling (arXiv 2503.14476, §3.2): a group whose rewards are all equal has advantage 0 and
+    teaches nothing. Drop those groups and sample more prompts (data.batch_at's stream k for the k-th extra call: a
+    pure function of seed and step, so resume stays exact) until the step holds batch-size x
+    gradient-accumulation-steps groups with spread, or --max-resample extra generate calls have run. Returns the
+    kept groups' rows, rollouts, rewards and per-function rewards, and what to log; with no group with spread at
+    all, the first call's batch and skipped_no_spread=1 (the loop then makes no update)."""
+    G, want, amp = args.num_generations, args.batch_size * args.gradient_accumulation_steps, sampling.AMP[args.dtype]
+    settings, parts, calls = sampling.Sampling.of(args), [(rows, rollouts, reward, per_fn)], 1
+
+    def spread(part):  # the groups of a part whose rewards differ
+        groups = part[2].view(-1, G)
+        return [g for g in range(len(groups)) if not bool((groups[g] == groups[g, 0]).all())]
+
+    while sum(len(spread(p)) for p in parts) < want and calls <= args.max_resample:
+        more = data.batch_at(task.train, want, args.seed, step, stream=calls)
+        extra = sampling.sample_rollouts(run.model, run.tokenizer, [task.query(run.tokenizer, r["question"])
+                                                                    for r in more], settings, G, amp)
+        parts.append((more, extra, *task.score(more, extra.texts, G, extra.lengths)))
+        calls += 1
+    kept = [(p, g) for p in parts for g in spread(p)][:want]
+    log = dict(dynamic_dropped=sum(len(p[0]) - len(spread(p)) for p in parts), dynamic_calls=calls,
+               dynamic_groups=len(kept), skipped_no_spread=int(not kept))
+    if not kept:
+        return rows, rollouts, reward, per_fn, log
+    rollouts = sampling.concat_rollouts([sampling.select_groups(p[1], [g]) for p, g in kept])
+    rows = [p[0][g] for p, g in kept]
+    reward = torch.cat([p[2].view(-1, G)[g] for p, g in kept])
+    per_fn = {name: torch.cat([p[3][name].view(-1, G)[g] for p, g in kept]) for name in per_fn}
+    return rows, rollouts, reward, per_fn, log
 
 
 def count_zero_std(streak, frac_zero_std, args, done):
@@ -245,7 +281,8 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
             chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
-                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {format_seconds(time.time() - t0)}", flush=True)
+                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {plot.format_seconds(time.time() - t0)}",
+                      flush=True)
     if not chunks:
         return {}  # no questions
     table = {name: torch.cat([c[name] for c in chunks]).view(len(rows), samples) for name in chunks[0]}  # [Q, k]
@@ -269,7 +306,7 @@ def evaluate_if_due(run, task, args, step, last=False):
     result = evaluate_as_flagged(run.model, run.tokenizer, task, args)
     run.evals.append((step, result))
     print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
-    write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
+    plot.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
 
 
 def evaluate_as_flagged(model, tokenizer, task, args):
@@ -286,68 +323,6 @@ def save_if_due(run, task, args, done, last=False):
     periodic = args.save_every > 0 and done % args.save_every == 0
     if periodic or done == args.steps or last or eval_due(args, task, done):
         checkpoint.save_run(run, args, done, checkpoint.rng_state())
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Logging: one line per step on stdout, the same fields as JSON in OUTPUT_DIR/metrics.jsonl (README: What is logged).
-
-
-def step_metrics(reward, per_fn, rollouts, updates, seconds, eta):
-    skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
-    lengths = rollouts.lengths.float()
-    groups = reward.view(-1, rollouts.group_size)
-    return dict(
-        loss=float(np.mean([u["loss"] for u in updates])),
-        reward=reward.mean().item(), reward_std=reward.std().item(),
-        **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
-        **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
-        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
-        kl=float(np.mean([u["kl"] for u in updates])),
-        clip_frac=float(np.mean([u["clip_frac"] for u in updates])),
-        entropy=float(np.mean([u["entropy"] for u in updates])),
-        grad_norm=float(np.mean([u["grad_norm"] for u in updates])),
-        completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
-        frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
-        frac_truncated=rollouts.truncated.float().mean().item(),
-        lr=updates[0]["lr"], step_time=seconds, tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
-        skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
-
-
-def log_step(path, step, args, m, reward_names):
-    per_fn = " ".join(f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names)
-    kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
-    print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
-          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
-          f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
-          f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
-          + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
-          flush=True)
-    write_log(path, {"step": step, **m})
-
-
-def write_log(path, row):
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def format_seconds(s):
-    return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.0f}s"
-
-
-def print_sample(step, prompt, responses, reward, answer):
-    print(f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
-          f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---", flush=True)
-
-
-def print_eval_table(evals, count, args):
-    """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the last."""
-    (first, before), (last, after) = evals[0], evals[-1]
-    print(f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
-          f"step {first} -> {last}")
-    width = max(len(name) for name in before) + 2
-    print(f"  {'':<{width}}{'before':>8}{'after':>8}{'change':>9}")
-    for name in before:
-        print(f"  {name:<{width}}{before[name]:>8.4f}{after[name]:>8.4f}{after[name] - before[name]:>+9.4f}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
