@@ -26,11 +26,13 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 256
     max_prompt_length: int | None = None  # longer prompts lose their first tokens; None: the context - max_new_tokens
+    num_beams: int = 1  # K > 1: the group is the G best beams of one beam search per prompt (no sampling)
 
     @classmethod
     def of(cls, args):
         """The training rollouts' settings, from the flags."""
-        return cls(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length)
+        return cls(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length,
+                   args.num_beams)
 
 
 @dataclass
@@ -149,9 +151,9 @@ def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_t
     """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
     (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
     return GenerationConfig(
-        do_sample=settings.temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
+        do_sample=settings.temperature > 0 and settings.num_beams == 1, temperature=1.0, top_k=0, top_p=1.0,
         max_new_tokens=settings.max_new_tokens, min_new_tokens=min_new_tokens or None, eos_token_id=eos_ids,
-        pad_token_id=pad_id, num_return_sequences=num_return_sequences, num_beams=1, use_cache=True,
+        pad_token_id=pad_id, num_return_sequences=num_return_sequences, num_beams=settings.num_beams, use_cache=True,
         repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
@@ -187,19 +189,21 @@ def prefill_prompts(model, prompt_ids, prompt_mask, group_size):
 
 def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, amp=None, min_new_tokens=0):
     """G samples per prompt in one batched generate call: sequences [B*G, P+C], group after group. Each prompt is
-    prefilled once (prefill_prompts); generate then feeds only the last prompt token of each row before decoding."""
+    prefilled once (prefill_prompts); generate then feeds only the last prompt token of each row before decoding.
+    With settings.num_beams = K > 1 the G rows of a prompt are instead the G best of K beams of one beam search."""
     was_training = model.training
     model.eval()
+    beams = settings.num_beams > 1
     with torch.no_grad(), autocast(prompt_ids.device, amp), flags_only(model):
-        cache = prefill_prompts(model, prompt_ids, prompt_mask, group_size)
+        cache = None if beams else prefill_prompts(model, prompt_ids, prompt_mask, group_size)
         config = generation_config(settings, eos_ids, pad_id, 1 if cache is not None else group_size, min_new_tokens)
         processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)]
-                                         if settings.temperature > 0 else [])  # 0: greedy, the argmax token
+                                         if settings.temperature > 0 and not beams else [])  # 0: greedy (argmax)
         if cache is not None:
             out = model.generate(input_ids=prompt_ids.repeat_interleave(group_size, dim=0),
                                  attention_mask=prompt_mask.repeat_interleave(group_size, dim=0),
                                  past_key_values=cache, generation_config=config, logits_processor=processors)
-        else:  # num_return_sequences=G repeats each prompt G times in place: the same layout
+        else:  # num_return_sequences=G: each prompt's G samples (or best beams) in place: the same layout
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                                  logits_processor=processors)
     model.train(was_training)

@@ -1499,6 +1499,25 @@ def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
     assert batch_at(rows, 4, 7, 3, stream=0) == batch_at(rows, 4, 7, 3)
 
 
+def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path):
+    from transformers import GenerationConfig
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    prompts = ["3 + 4 =", "1 + 1 =", "5 + 2 ="]
+    rollouts = sampling.sample_rollouts(model, tokenizer, prompts, sampling.Sampling(0.9, 50, 0.9, 5, None, 4), 2)
+    ids, mask = sampling.tokenize_prompts(tokenizer, prompts, "cpu")
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=5, eos_token_id=[demo.EOS],
+        pad_token_id=demo.PAD))  # plain beam search: the sampling flags play no part
+    assert torch.equal(rollouts.input_ids, expected)
+    pairs = rollouts.input_ids[:, ids.shape[1]:].view(3, 2, -1)
+    assert all(not torch.equal(pair[0], pair[1]) for pair in pairs)  # a group's beams differ
+    run_tiny(tmp_path / "run", "--num-beams", "4")
+    (row,) = read_metrics(tmp_path / "run")
+    assert math.isfinite(row["loss"]) and row["entropy"] > 0
+    with pytest.raises(config.UserError, match="--num-beams \\(2\\) must be at least --num-generations \\(4\\)"):
+        config.parse_args(tiny_argv(tmp_path / "x", "--num-beams", "2"))
+
+
 # --- eval and the GSM8K path on a local model directory ---------------------------------------------------------------
 
 
