@@ -70,21 +70,28 @@ class Run:
     start_step: int
     log_path: str                      # OUTPUT_DIR/metrics.jsonl
     evals: list                        # [(step, {reward name: mean})]
+    peft: object = None                # --lora-rank: the PeftModel around `model` (saves the adapter), else None
 
 
 def policy_loaded_from_checkpoint(args, resume_dir):
     """Whether --resume loads the checkpoint in place of π_θinit: with β = 0 no reference model needs the initial
     weights (the demo always builds its model in code)."""
-    return resume_dir is not None and args.beta == 0 and not args.demo
+    return resume_dir is not None and args.beta == 0 and not args.demo and not args.lora_rank
 
 
 def start(args, model, tokenizer, resume_dir=None):
     """Lines 1 and 3: π_θ on the device (π_θinit, or on --resume the checkpoint's weights) and π_ref = π_θinit; then
     AdamW, its LR schedule and a resumed run's optimizer, scheduler, RNG and log."""
-    ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None)
-    if resume_dir is not None and not policy_loaded_from_checkpoint(args, resume_dir):  # π_θ: the checkpoint's
+    peft_model = None
+    if args.lora_rank:  # π_θ = π_θinit + adapters; π_ref = π_θinit: the same model with its adapters off, no copy
+        peft_model = add_lora(model.to(args.device), args, resume_dir)
+        model, ref_model = peft_model.get_base_model(), peft_model if args.beta > 0 else None
+    else:
+        ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device,
+                                    copy_model=resume_dir is None)
+    if resume_dir is not None and not args.lora_rank and not policy_loaded_from_checkpoint(args, resume_dir):
         check_same_architecture(model.config, AutoConfig.from_pretrained(resume_dir), args.model, resume_dir)
-        model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,  # π_θ: the checkpoint's
                                                      trust_remote_code=args.trust_remote_code)
     model.to(args.device)
     if args.gradient_checkpointing:
@@ -107,7 +114,61 @@ def start(args, model, tokenizer, resume_dir=None):
         step = state["step"]
         print(f"resumed from {resume_dir} at step {step}")
     log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
-    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals)
+    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model)
+
+
+def add_lora(model, args, resume_dir=None):
+    """--lora-rank: the PeftModel with LoRA adapters on --lora-target-modules (every other weight frozen), or, on
+    --resume, with the checkpoint's adapter. peft is imported only here: it stays optional."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("--lora-rank needs peft, which is not installed: pip install peft") from None
+    targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        if resume_dir is not None:
+            return peft.PeftModel.from_pretrained(model, os.path.join(resume_dir, "adapter"), is_trainable=True)
+        return peft.get_peft_model(model, config)
+    except (ValueError, RuntimeError, OSError) as e:  # no such module; an adapter for another model
+        raise UserError(f"LoRA: {' '.join(str(e).split())[:300]} (--lora-target-modules {args.lora_target_modules}"
+                        + (f"; the adapter in {resume_dir}/adapter" if resume_dir else "") + ").") from None
+
+
+def save_merged(model, peft_model, directory):
+    """The merged model (merged_state_dict) as an ordinary save_pretrained directory. An adapter on a tied lm-head
+    (or input embedding) makes the two differ: the saved config then unties them, or loading would re-tie them."""
+    state = merged_state_dict(peft_model)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    untie = tied and head is not None and not torch.equal(state[f"{name_of(model, head)}.weight"],
+                                                          state[f"{name_of(model, embedding)}.weight"])
+    model.config.tie_word_embeddings = tied and not untie
+    try:
+        model.save_pretrained(directory, state_dict=state)
+    finally:
+        model.config.tie_word_embeddings = tied
+
+
+def name_of(model, module):
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def merged_state_dict(peft_model):
+    """The base model's weights with each LoRA update added (W + scale·B·A), under the base model's own names, for
+    a checkpoint that from_pretrained loads without peft. The live model is not touched: merging in place and
+    unmerging again would not give back the same bits, and resume would not be exact."""
+    from peft.tuners.lora import LoraLayer
+    base = peft_model.get_base_model()
+    merged = {f"{name}.weight": (m.get_base_layer().weight + m.get_delta_weight(m.active_adapters[0])).detach()
+              for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    state = {}
+    for key, value in base.state_dict().items():
+        if "lora_" not in key:
+            key = key.replace(".base_layer.", ".")
+            state[key] = merged.get(key, value)
+    return state
 
 
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -156,16 +217,20 @@ def reference_model(model, beta, dtype, device, copy_model=True):
 
 def build_optimizer(model, lr, weight_decay):
     """AdamW on the fp32 parameters, fused (one kernel over all parameters) where torch has it: CUDA, and CPU."""
+    params = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters only
     try:
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
-def save_run(run, args, step, rng):
+def save_run(run, args, step, rng, final=False):
+    """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model when the run ends here
+    (the last step, an early stop, an interruption: `final`), so that the checkpoint a run leaves behind always loads
+    with from_pretrained."""
     state = dict(step=step, optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
                  scaler=run.scaler.state_dict() if run.scaler is not None else None, rng=rng, args=vars(args))
-    path = save(args.output_dir, run.model, run.tokenizer, state)
+    path = save(args.output_dir, run.model, run.tokenizer, state, run.peft, merge=final or step >= args.steps)
     print(f"saved {path} (step {step})", flush=True)
 
 
@@ -178,7 +243,7 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     done = step + 1 if updated else step
     why = "stopped" if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt) else "interrupted"
     print(f"\n{why}: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
-    save_run(run, args, done, rng_state() if updated else rng_at_start)
+    save_run(run, args, done, rng_state() if updated else rng_at_start, final=True)
 
 
 def open_log(output_dir, resumed_at=None):
@@ -224,14 +289,21 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(output_dir, model, tokenizer, training_state):
+def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True):
     """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with renames, so a crash
-    or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old)."""
+    or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old).
+    With LoRA (peft_model) the adapter goes into checkpoint/adapter, and the merged model beside it if `merge`."""
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        if peft_model is not None:
+            peft_model.save_pretrained(os.path.join(tmp, "adapter"))
+            fsync_tree(os.path.join(tmp, "adapter"))
+        if peft_model is None:
+            model.save_pretrained(tmp)
+        elif merge:
+            save_merged(model, peft_model, tmp)
         tokenizer.save_pretrained(tmp)
         torch.save(training_state, os.path.join(tmp, "training_state.pt"))
         fsync_tree(tmp)  # on disk before the renames: a power loss cannot leave a renamed but empty file

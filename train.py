@@ -10,6 +10,7 @@
 
 The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, checkpoints in checkpoint.py.
 """
+import contextlib
 import dataclasses
 import functools
 import math
@@ -231,17 +232,20 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
 def frozen_logps(model, rollouts, micro_batch_size, amp=None, shared_prompt=True):
     """log π(o_t | q, o_<t) [N, C] of the rollouts under a frozen model, in micro-batches of whole groups; 0 after
     each micro-batch's longest completion. shared_prompt=False takes token_logprobs' plain path, as the policy's
-    forward does under gradient checkpointing: π_ref and π_θ then come from the same computation."""
-    was_training = model.training
-    model.eval()
+    forward does under gradient checkpointing: π_ref and π_θ then come from the same computation. A PeftModel (LoRA)
+    is π_ref with its adapters off: the base model, no second copy."""
+    adapters_off = getattr(model, "disable_adapter", contextlib.nullcontext)
+    net = model.get_base_model() if hasattr(model, "get_base_model") else model
+    was_training = net.training
+    net.eval()
     N, C = rollouts.completion_mask.shape
     out = torch.zeros(N, C, device=rollouts.completion_mask.device)
     for rows in micro_batches(N, micro_batch_size):
         ids, attn, keep = trim(rollouts, rows)
-        with sampling.autocast(ids.device, amp):
-            out[rows, :keep] = sampling.token_logprobs(model, ids, attn, keep, rollouts.temperature,
+        with sampling.autocast(ids.device, amp), adapters_off():
+            out[rows, :keep] = sampling.token_logprobs(net, ids, attn, keep, rollouts.temperature,
                                                        group_size=rollouts.group_size if shared_prompt else 1)
-    model.train(was_training)
+    net.train(was_training)
     return out
 
 
@@ -322,7 +326,7 @@ def save_if_due(run, task, args, done, last=False):
     early), and before every evaluation, so that a crash or Ctrl-C inside an evaluation loses no training."""
     periodic = args.save_every > 0 and done % args.save_every == 0
     if periodic or done == args.steps or last or eval_due(args, task, done):
-        checkpoint.save_run(run, args, done, checkpoint.rng_state())
+        checkpoint.save_run(run, args, done, checkpoint.rng_state(), final=last)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
