@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+import distributed
 import sampling
 from config import UserError
 
@@ -71,6 +72,7 @@ class Run:
     log_path: str                      # OUTPUT_DIR/metrics.jsonl
     evals: list                        # [(step, {reward name: mean})]
     peft: object = None                # --lora-rank: the PeftModel around `model` (saves the adapter), else None
+    ddp: object = None                 # under torchrun: DistributedDataParallel around the log-prob forward
 
 
 def policy_loaded_from_checkpoint(args, resume_dir):
@@ -97,12 +99,18 @@ def start(args, model, tokenizer, resume_dir=None):
     if args.gradient_checkpointing:
         sampling.enable_gradient_checkpointing(model)
     model.train()
+    if args.fsdp:  # under torchrun: shard π_θ and π_ref over the ranks instead of replicating them
+        distributed.shard_model(model)
+        if ref_model is not None and ref_model is not model:
+            distributed.shard_model(ref_model)
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=args.steps * args.num_iterations)
     # fp16 autocast needs loss scaling; bf16 and fp32 do not.
     scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
-    step = 0
+    step, ddp = 0, None if args.fsdp else distributed.wrap(model)  # torchrun: DDP (it broadcasts rank 0's weights)
+    if resume_dir is None and distributed.world() > 1:
+        torch.manual_seed(args.seed + 1000 * distributed.rank())  # each rank samples its own completions
     if resume_dir is not None:
         state = load_state(resume_dir)
         check_same_flags(state["args"], args)
@@ -110,11 +118,11 @@ def start(args, model, tokenizer, resume_dir=None):
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
+        set_rng_state(state.get("rngs", [state["rng"]])[distributed.rank()])  # this rank's own
         step = state["step"]
         print(f"resumed from {resume_dir} at step {step}")
     log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
-    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model)
+    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model, ddp)
 
 
 def add_lora(model, args, resume_dir=None):
@@ -228,18 +236,26 @@ def save_run(run, args, step, rng, final=False):
     """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model when the run ends here
     (the last step, an early stop, an interruption: `final`), so that the checkpoint a run leaves behind always loads
     with from_pretrained."""
+    rngs = distributed.gather_objects(rng)  # every rank's RNG (under torchrun each samples its own completions)
     state = dict(step=step, optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-                 scaler=run.scaler.state_dict() if run.scaler is not None else None, rng=rng, args=vars(args))
-    path = save(args.output_dir, run.model, run.tokenizer, state, run.peft, merge=final or step >= args.steps)
-    print(f"saved {path} (step {step})", flush=True)
+                 scaler=run.scaler.state_dict() if run.scaler is not None else None, rng=rng, rngs=rngs,
+                 args=vars(args))
+    weights = distributed.full_state_dict(run.model) if args.fsdp else None  # FSDP2: gathered onto rank 0
+    if distributed.is_main():  # the weights and AdamW are the same on every rank: rank 0 writes them
+        if args.fsdp:  # AdamW's state is sharded too: the checkpoint holds the weights (--resume: not with --fsdp)
+            state["optimizer"] = None
+        path = save(args.output_dir, run.model, run.tokenizer, state, run.peft, merge=final or step >= args.steps,
+                    weights=weights)
+        print(f"saved {path} (step {step})", flush=True)
+    distributed.barrier()
 
 
 def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the weights and optimizer are
     those of the end of the last step: save them with the RNG as it was then, so --resume redoes this step exactly.
     After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
-    if isinstance(stopped_by, SaveFailed):
-        return  # the save itself failed: the last checkpoint stands
+    if isinstance(stopped_by, SaveFailed) or distributed.world() > 1:
+        return  # the save failed (the last checkpoint stands), or the other ranks are not there to save with
     done = step + 1 if updated else step
     why = "stopped" if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt) else "interrupted"
     print(f"\n{why}: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
@@ -248,15 +264,18 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
 
 def open_log(output_dir, resumed_at=None):
     """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
-    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty."""
+    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
+    Under torchrun every rank reads it, and rank 0 alone writes it."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
     if resumed_at is not None and os.path.isfile(path):
         with open(path) as f:
             kept = [row for row in map(json_or_none, f) if row is not None and row["step"] <= resumed_at]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in kept)
+    distributed.barrier()  # every rank has read it before rank 0 rewrites it
+    if distributed.is_main():
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
     evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
              for row in kept if any(k.startswith("eval/") for k in row)]
     return path, evals
@@ -289,7 +308,7 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True):
+def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True, weights=None):
     """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with renames, so a crash
     or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old).
     With LoRA (peft_model) the adapter goes into checkpoint/adapter, and the merged model beside it if `merge`."""
@@ -301,7 +320,7 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
             peft_model.save_pretrained(os.path.join(tmp, "adapter"))
             fsync_tree(os.path.join(tmp, "adapter"))
         if peft_model is None:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         elif merge:
             save_merged(model, peft_model, tmp)
         tokenizer.save_pretrained(tmp)

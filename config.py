@@ -139,6 +139,9 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="autocast compute dtype; parameters and AdamW state stay fp32. auto: bf16 on CUDA, fp32 on CPU")
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard parameters, gradients and AdamW state over the processes (FSDP2, one "
+                        "unit per decoder layer) instead of replicating them (DDP)")
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in backward: less memory, ~30%% more time")
 

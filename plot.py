@@ -89,17 +89,18 @@ if __name__ == "__main__":
 # is logged), a sampled completion now and then, the header and the closing before/after table.
 
 
-def step_metrics(reward, per_fn, rollouts, updates, times, steps_left, scheduler):
-    """The step's metrics; those of the updates are their mean over the μ iterations (0 when there was none).
-    times: every step's seconds so far (this one last), for the ETA."""
+def step_metrics(reward, per_fn, lengths, truncated, group_size, updates, times, steps_left, scheduler):
+    """The step's metrics, from its rewards [N], each function's {name: [N]}, the completion lengths and truncation
+    flags [N] (every rank's, under torchrun); those of the updates are their mean over the μ iterations (0 when
+    there was none). times: every step's seconds so far (this one last), for the ETA."""
     seconds, eta = times[-1], np.mean(times) * steps_left
     skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
 
     def mean(key):
         return float(np.mean([u[key] for u in updates])) if updates else 0.0
 
-    lengths = rollouts.lengths.float()
-    groups = reward.view(-1, rollouts.group_size)
+    lengths = lengths.float()
+    groups = reward.view(-1, group_size)
     return dict(
         loss=mean("loss"),
         reward=reward.mean().item(), reward_std=reward.std().item(),
@@ -112,7 +113,7 @@ def step_metrics(reward, per_fn, rollouts, updates, times, steps_left, scheduler
         grad_norm=mean("grad_norm"),
         completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
         frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
-        frac_truncated=rollouts.truncated.float().mean().item(),
+        frac_truncated=truncated.float().mean().item(),
         lr=updates[0]["lr"] if updates else scheduler.get_last_lr()[0], step_time=seconds,
         tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
         skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
@@ -141,7 +142,9 @@ def write_log(path, row):
 def print_header(args, model):
     print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
           f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G="
-          f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}; output {args.output_dir}", flush=True)
+          f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}"
+          + (f", {args.world_size} processes (each its own share of the prompts)" if getattr(args, "world_size", 1) > 1
+             else "") + f"; output {args.output_dir}", flush=True)
 
 
 def format_seconds(s):

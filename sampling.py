@@ -147,6 +147,12 @@ class TemperatureTopKTopP(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(-1, indices, values)
 
 
+def is_sharded(model):
+    """Whether the model's weights are sharded over processes (FSDP2: DTensors). Every process must then run each
+    forward together: generate keeps stepping (synced_gpus) until every process's rows have finished."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
 def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_tokens=0):
     """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
     (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
@@ -202,10 +208,11 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
         if cache is not None:
             out = model.generate(input_ids=prompt_ids.repeat_interleave(group_size, dim=0),
                                  attention_mask=prompt_mask.repeat_interleave(group_size, dim=0),
-                                 past_key_values=cache, generation_config=config, logits_processor=processors)
+                                 past_key_values=cache, generation_config=config, logits_processor=processors,
+                                 synced_gpus=is_sharded(model))
         else:  # num_return_sequences=G: each prompt's G samples (or best beams) in place: the same layout
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 logits_processor=processors)
+                                 logits_processor=processors, synced_gpus=is_sharded(model))
     model.train(was_training)
     return out
 
@@ -362,6 +369,8 @@ def _plain_linear_head(model):
             or head.bias is not None or getattr(model, "model", None) is None):
         return None
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    if type(head.weight).__name__ == "DTensor":  # FSDP2: only the model's own forward gathers a sharded head
         return None
     return head
 

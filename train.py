@@ -26,6 +26,7 @@ import checkpoint
 import config
 import data
 import demo
+import distributed
 import grpo
 import plot
 import rewards
@@ -40,17 +41,19 @@ def train(args, task, model, tokenizer, resume_dir=None):
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
     run = checkpoint.start(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
-    settings = sampling.Sampling.of(args)
+    settings, prompts_per_step = sampling.Sampling.of(args), distributed.world() * args.batch_size * \
+        args.gradient_accumulation_steps  # over all ranks (under torchrun, each takes its share)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
     update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=Objective.of(args),
-                               micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler)
+                               micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler,
+                               ddp=run.ddp)
     plot.print_header(args, model)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
         try:
-            rows = data.batch_at(task.train, args.batch_size * args.gradient_accumulation_steps, args.seed, step)  # 5
+            rows = distributed.shard(data.batch_at(task.train, prompts_per_step, args.seed, step))  # 5 (this rank's)
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
@@ -62,8 +65,8 @@ def train(args, task, model, tokenizer, resume_dir=None):
             mu = 0 if dynamic.get("skipped_no_spread") else args.num_iterations  # no group with spread: no update
             if args.mask_truncated:  # a completion the budget cut off gets no loss (its reward is still scored)
                 rollouts.completion_mask[rollouts.truncated] = 0
-            advantages = grpo.group_advantages(reward, G, scale=args.scale_rewards)  # 9: Â_i,t, the same for all t
-            advantages = advantages.to(rollouts.input_ids.device)                    # [B*G]
+            advantages = grpo.group_advantages(distributed.gather(reward), G, scale=args.scale_rewards)  # 9: Â_i,t,
+            advantages = distributed.shard(advantages).to(rollouts.input_ids.device)  # the same for all t [B*G]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
             ref_logps = None if run.ref_model is None or mu == 0 else frozen_logps(
                 run.ref_model, rollouts, micro, amp, shared_prompt=not args.gradient_checkpointing)  # [B*G, C]
@@ -75,9 +78,9 @@ def train(args, task, model, tokenizer, resume_dir=None):
                     old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
                 nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
-            metrics = {**plot.step_metrics(reward, per_fn, rollouts, updates, times, args.steps - step - 1,
-                                           run.scheduler), **dynamic}
-            plot.log_step(run.log_path, step + 1, args, metrics, list(per_fn))
+            metrics = {**plot.step_metrics(*every_rank(reward, per_fn, rollouts), G, updates, times,
+                                           args.steps - step - 1, run.scheduler), **dynamic}
+            log_step(run.log_path, step + 1, args, metrics, list(per_fn))
             plot.print_sample(args, step + 1, task.query(tokenizer, rows[0]["question"]),
                               task.responses(rollouts.texts), reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
@@ -88,10 +91,29 @@ def train(args, task, model, tokenizer, resume_dir=None):
         evaluate_if_due(run, task, args, step + 1, stop)
         if stop:
             break
+    finish(run, task, args)
+    return run.evals
+
+
+def finish(run, task, args):
+    """The closing before/after table, and curves.png."""
     if len(run.evals) > 1:
         plot.print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
-    plot.curves(args.output_dir)
-    return run.evals
+    if distributed.is_main():
+        plot.curves(args.output_dir)
+
+
+def every_rank(reward, per_fn, rollouts):
+    """The step's rewards [N], per-function rewards and completion lengths and truncation flags [N], gathered from
+    every rank (under torchrun), for the logged metrics."""
+    gather = distributed.gather
+    return (gather(reward), {name: gather(r) for name, r in per_fn.items()}, gather(rollouts.lengths),
+            gather(rollouts.truncated))
+
+
+def log_step(path, step, args, metrics, reward_names):
+    if distributed.is_main():  # one metrics.jsonl
+        plot.log_step(path, step, args, metrics, reward_names)
 
 
 @dataclass(frozen=True)
@@ -116,35 +138,46 @@ class Objective:
 
 
 def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, ref_logps, *, objective,
-                  micro_batch_size, max_grad_norm=1.0, amp=None, scaler=None):
+                  micro_batch_size, max_grad_norm=1.0, amp=None, scaler=None, ddp=None):
     """One optimizer update of π_θ maximizing eq. 3 on the rollouts: forward + backward over micro-batches of whole
     groups, each loss divided by the whole batch's denominator so the gradients add up to the full batch's; then
     clip, AdamW, the LR schedule. old_logps, ref_logps [N, C]: π_old's (None when μ = 1) and π_ref's (None when
     β = 0). Returns the update's statistics and the log-probs its forwards computed before the update [N, C],
-    detached (0 after each micro-batch's longest completion)."""
+    detached (0 after each micro-batch's longest completion).
+    Under torchrun (ddp: the DistributedDataParallel log-prob module) the batch is every rank's: the denominator
+    counts all ranks' sequences or tokens, each rank's loss is multiplied by the number of ranks (DDP averages the
+    gradients: the average of world x sum_r / denominator is the global loss's gradient), and the gradients are
+    all-reduced once, in the last micro-batch's backward."""
     model.train()
     mask = rollouts.completion_mask                                                # [N, C]
-    normalizer = grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)
+    normalizer = distributed.all_sum([grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)])[0]
+    logprobs = ddp or functools.partial(sampling.token_logprobs, model)
     lr = scheduler.get_last_lr()[0]
     totals = dict(loss=0.0, tokens=0, kl=0.0, clipped=0, ratio=0.0, entropy=0.0)
     logps_before = torch.zeros(mask.shape, device=mask.device)                      # [N, C]
     optimizer.zero_grad(set_to_none=True)
-    for rows in micro_batches(mask.shape[0], micro_batch_size):
+    batches = micro_batches(mask.shape[0], micro_batch_size)
+    for i, rows in enumerate(batches):
         ids, attn, keep = trim(rollouts, rows)
-        with sampling.autocast(ids.device, amp):
-            logps, entropy = sampling.token_logprobs(model, ids, attn, keep, rollouts.temperature, entropy=True,
-                                                     group_size=rollouts.group_size)  # [n, keep]: with grad, without
-        logps_before[rows, :keep] = logps.detach()
-        totals["entropy"] += (entropy * mask[rows, :keep]).sum().item()
-        old = None if old_logps is None else old_logps[rows, :keep]
-        ref = None if ref_logps is None else ref_logps[rows, :keep]
-        stats = {}
-        loss = grpo.grpo_loss(logps, old, ref, advantages[rows], mask[rows, :keep], normalizer=normalizer,
-                              stats=stats, **dataclasses.asdict(objective))
-        (scaler.scale(loss) if scaler is not None else loss).backward()  # no division by the number of micro-batches
+        no_sync = ddp.no_sync() if ddp is not None and i < len(batches) - 1 else contextlib.nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter in the last micro-batch only
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        with sampling.autocast(ids.device, amp), no_sync:  # DDP: all-reduce in the last micro-batch's backward only
+            logps, entropy = logprobs(ids, attn, keep, rollouts.temperature, entropy=True,
+                                      group_size=rollouts.group_size)  # [n, keep]: with grad, without
+            logps_before[rows, :keep] = logps.detach()
+            totals["entropy"] += (entropy * mask[rows, :keep]).sum().item()
+            old = None if old_logps is None else old_logps[rows, :keep]
+            ref = None if ref_logps is None else ref_logps[rows, :keep]
+            stats = {}
+            loss = grpo.grpo_loss(logps, old, ref, advantages[rows], mask[rows, :keep], normalizer=normalizer,
+                                  stats=stats, **dataclasses.asdict(objective))
+            scaled = loss * distributed.world()  # DDP averages over ranks; no division by the number of micro-batches
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         totals["loss"] += loss.item()
         for k in ("tokens", "kl", "clipped", "ratio"):
             totals[k] += stats[k]
+    totals = dict(zip(totals, distributed.all_sum(totals.values())))  # every rank's sums
     grad_norm, skipped = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"])
     tokens = max(totals["tokens"], 1)
     return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
@@ -273,23 +306,30 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
     """On the first `limit` held-out questions, `samples` (k) completions each: the mean of each reward function and
     of the weighted total ("reward") over all completions, and with k > 1 each one's pass@k: a question's best of its
     k rewards, averaged over questions (for a 0/1 reward such as correctness, the fraction solved at least once).
-    Runs under its own RNG seeded with `seed`, so it neither perturbs nor depends on the training RNG stream."""
-    rows, chunks, t0 = task.eval[:limit], [], time.time()
+    Runs under its own RNG seeded with `seed`, so it neither perturbs nor depends on the training RNG stream. Under
+    torchrun each rank takes every world-th question (its RNG seeded with seed + rank) and the tables are gathered."""
+    every, chunks, t0 = task.eval[:limit], [], time.time()
+    rows = every[distributed.rank()::distributed.world()]
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for i in range(0, len(rows), batch_size):
+        torch.manual_seed(seed + distributed.rank())
+        for i in range(0, -(-len(every) // distributed.world()), batch_size):  # as many calls on every rank
             chunk = rows[i: i + batch_size]
-            prompts = [task.query(tokenizer, row["question"]) for row in chunk]
+            if not chunk and not sampling.is_sharded(model):
+                break
+            prompts = [task.query(tokenizer, row["question"]) for row in chunk or every[:1]]  # FSDP2: join in
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
-            total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
-            chunks.append({**per_fn, "reward": total})
+            if chunk:
+                total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
+                chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
                 print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {plot.format_seconds(time.time() - t0)}",
                       flush=True)
+    chunks = [c for part in distributed.gather_objects([{k: v.cpu() for k, v in c.items()} for c in chunks])
+              for c in part]  # every rank's
     if not chunks:
         return {}  # no questions
-    table = {name: torch.cat([c[name] for c in chunks]).view(len(rows), samples) for name in chunks[0]}  # [Q, k]
+    table = {name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]}  # [Q, k]
     result = {name: r.mean().item() for name, r in table.items()}
     if samples > 1:
         result.update({f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()})
@@ -310,7 +350,8 @@ def evaluate_if_due(run, task, args, step, last=False):
     result = evaluate_as_flagged(run.model, run.tokenizer, task, args)
     run.evals.append((step, result))
     print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
-    plot.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
+    if distributed.is_main():
+        plot.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
 
 
 def evaluate_as_flagged(model, tokenizer, task, args):
@@ -356,6 +397,14 @@ def main(argv=None):
     and CUDA running out of memory end with one paragraph on stderr and exit code 2, not a traceback."""
     try:
         args = config.parse_args(argv)
+        distributed.init(args.device)  # under torchrun: join the process group; alone, nothing
+        args.world_size = distributed.world()  # saved with a checkpoint: --resume must use as many processes
+        if args.world_size > 1 and args.dynamic_sampling:
+            raise UserError("--dynamic-sampling does not run under torchrun yet: ranks would refill their batches "
+                            "with different numbers of generate calls and micro-batches. Run it in one process.")
+        if args.fsdp and (args.resume or args.lora_rank):
+            raise UserError("--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
+                            "state) nor train LoRA adapters; use DDP (no --fsdp) for those.")
         if args.plot is not None:
             if not os.path.isfile(os.path.join(args.plot, "metrics.jsonl")):
                 raise UserError(f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir.")
