@@ -140,10 +140,11 @@ def write_log(path, row):
 
 
 def print_header(args, model):
+    world = getattr(args, "world_size", 1)
     print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
-          f"{args.steps} steps x {args.batch_size * args.gradient_accumulation_steps} prompts x G="
+          f"{args.steps} steps x {world * args.batch_size * args.gradient_accumulation_steps} prompts x G="
           f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}"
-          + (f", {args.world_size} processes (each its own share of the prompts)" if getattr(args, "world_size", 1) > 1
+          + (f"; {world} processes, {args.batch_size * args.gradient_accumulation_steps} prompts each" if world > 1
              else "") + f"; output {args.output_dir}", flush=True)
 
 
