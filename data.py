@@ -48,7 +48,8 @@ class Task:
         row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each, and
         each completion's token count (`completion_lengths`, from `lengths` [N])."""
         rows = [row for row in rows for _ in range(G)]
-        columns = {name: [row.get("fields", {}).get(name) for row in rows] for name in field_names(rows)}
+        names = field_names(self.train + self.eval)  # the task's fields: a row without one gets None
+        columns = {name: [row.get("fields", {}).get(name) for row in rows] for name in names}
         columns["prompts"] = [row["question"] for row in rows]
         if lengths is not None:
             columns["completion_lengths"] = [int(n) for n in lengths]
@@ -132,6 +133,10 @@ def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "ans
         if answer_field not in row:
             raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(row)})")
         others = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        reserved = sorted(set(others) & {"prompts", "completion_lengths"})
+        if reserved:
+            raise ValueError(f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
+                             "from train.py; rename the field")
         rows.append({"question": row[prompt_field], "answer": row[answer_field], "fields": others})
     return rows
 

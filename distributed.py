@@ -101,9 +101,10 @@ def gather(tensor):
     """The concatenation over ranks (in rank order) of a tensor [n, ...] whose n is the same on every rank."""
     if world() == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+    local = tensor.to(device_of_group()).contiguous()  # NCCL gathers CUDA tensors only (rewards live on the CPU)
+    parts = [torch.empty_like(local) for _ in range(world())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(tensor.device)
 
 
 def gather_objects(obj):

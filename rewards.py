@@ -266,22 +266,29 @@ def first_raising(fn, completions, answers, kwargs):
 def where(e):
     """ " (file.py:12)": where an exception was raised, for the message (a SyntaxError names its place itself)."""
     frames = traceback.extract_tb(e.__traceback__)
-    if isinstance(e, SyntaxError) or not frames:
-        return ""
+    if isinstance(e, SyntaxError) or not frames or os.path.abspath(frames[-1].filename) == os.path.abspath(__file__):
+        return ""  # a SyntaxError names its place itself; one raised here is about the value, not the user's code
     return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
 
 
 def as_rewards(name, values, completions):
     """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong with it."""
     n = len(completions)
+    returned = values
+    if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
+        values = values.reshape(-1)  # an array or tensor [N, 1]
+    if isinstance(values, (dict, set, frozenset, str, bytes)):  # keys, or no order: not one value per completion
+        raise UserError(f"reward function {name!r} returned a {type(values).__name__}; it must return a list with one "
+                        f"number per completion ({n}), in the completions' order.")
     try:
         values = list(values)  # a list, a tuple, a tensor, an array, a generator
-    except TypeError:
-        values = None
-    if values is None or len(values) != n:
-        got = f"{type(values).__name__}" if values is None else f"{len(values)} values"
-        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned {got}: "
-                        f"{str(values)[:200]}. The batch's first completion began: "
+    except Exception as e:  # not iterable, or a generator that raised
+        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned a "
+                        f"{type(returned).__name__} ({type(e).__name__}: {e}{where(e)}). The batch's first completion "
+                        f"began: {(completions[0] if completions else '')[:200]!r}") from None
+    if len(values) != n:
+        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned "
+                        f"{len(values)} values: {str(values)[:200]}. The batch's first completion began: "
                         f"{(completions[0] if completions else '')[:200]!r}")
     out = []
     for i, v in enumerate(values):
@@ -321,6 +328,9 @@ def from_flags(args, defaults, fields=()):
         raise UserError(f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
                         f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
                         f"{len(weights)}.")
+    if "reward" in names:
+        raise UserError("no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
+                        "function.")
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UserError(f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "

@@ -201,7 +201,7 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
     model.eval()
     beams = settings.num_beams > 1
     with torch.no_grad(), autocast(prompt_ids.device, amp), flags_only(model):
-        cache = None if beams else prefill_prompts(model, prompt_ids, prompt_mask, group_size)
+        cache = None if beams or is_sharded(model) else prefill_prompts(model, prompt_ids, prompt_mask, group_size)
         config = generation_config(settings, eos_ids, pad_id, 1 if cache is not None else group_size, min_new_tokens)
         processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)]
                                          if settings.temperature > 0 and not beams else [])  # 0: greedy (argmax)
@@ -409,8 +409,9 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C]; with
     entropy=True also [N, C] H(π(· | q, o_<t)), the entropy of the distribution each token was drawn from (no grad).
 
-    The logits are divided by the sampling temperature, so these are the probabilities generation sampled
-    from. Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
+    The logits are divided by the sampling temperature: these are the tempered softmax's probabilities (before
+    any top-k / top-p truncation, as in TRL), the distribution generation sampled from when those are off.
+    Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
     group_size=G > 1 says rows come group after group and each group's G rows share one prompt (the first
     P columns): each prompt then runs through the model once and its KV cache is repeated G times, instead of
     recomputing it G times; gradients flow back through the cache. Models whose cache cannot be repeated fall
@@ -426,7 +427,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     targets = input_ids[:, -c:]                                               # [N, C]
     p = length - c
     # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run there.
-    if group_size > 1 and not is_checkpointing(model):
+    # Under FSDP2 every rank must run the same forwards: the plain path (one forward) whatever its completions' length.
+    if group_size > 1 and not is_checkpointing(model) and not is_sharded(model):
         # Each prompt once: [B, P]. Its last position predicts every row's first completion token.
         first, head, cache = _features(model, input_ids[::group_size, :p], attention_mask[::group_size, :p],
                                        position_ids[::group_size, :p], 1, use_cache=True)

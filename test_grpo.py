@@ -24,6 +24,7 @@ from decimal import Decimal
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; an unknown hub id must fail at once
 
 import huggingface_hub  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, get_scheduler  # noqa: E402
@@ -1877,7 +1878,8 @@ def nothing(completions, answers):
                    "completion began: "),
     ("words", "reward function 'words' returned 'one' (str) for completion 0, which is not a number."),
     ("short", "reward function 'short' must return one number per completion (8); it returned 7 values"),
-    ("nothing", "reward function 'nothing' must return one number per completion (8); it returned NoneType"),
+    ("nothing", "reward function 'nothing' must return one number per completion (8); it returned a NoneType "
+                "(TypeError: 'NoneType' object is not iterable)."),
 ])
 def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_completion(tmp_path, monkeypatch, capsys,
                                                                                       fn, message):
@@ -1897,6 +1899,45 @@ def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_comple
         message = message.format(first=first, text=repr(batch[first][:200]))
     assert f"error: {message}" in err, err[-600:]
     assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0  # saved before any update
+
+
+def generator_that_raises(completions, answers):
+    yield 1.0
+    yield 1 / 0
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda c, a: np.array([[1.0], [2.0]]), [1.0, 2.0]),            # [N, 1] arrays and tensors are flattened
+    (lambda c, a: torch.tensor([[1.0], [2.0]]), [1.0, 2.0]),
+    (lambda c, a: (x for x in [1.0, 2.0]), [1.0, 2.0]),             # a generator is a list
+    (lambda c, a: {0: 1.0, 1: 2.0}, "returned a dict; it must return a list with one number per completion (2)"),
+    (generator_that_raises, "returned a generator (ZeroDivisionError: division by zero (test_grpo.py:"),
+    (lambda c, a: 3.0, "returned a float (TypeError: 'float' object is not iterable"),
+])
+def test_what_a_reward_function_returns_is_a_list_of_numbers_or_one_clear_error(fn, expected):
+    try:
+        got = rewards.score(rewards.weighted([("f", fn)], [1.0]), ["a", "b"], ["1", "2"])[0].tolist()
+    except config.UserError as e:
+        got = str(e)
+    assert got == expected if isinstance(expected, list) else expected in got
+
+
+def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp_path):
+    seen = []
+
+    def wants_id(completions, answers, id):
+        seen.append(id)
+        return [0.0] * len(completions)
+
+    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7}}, {"question": "q1", "answer": 2, "fields": {}}]
+    task = data.Task(train=rows, eval=[], prompt=None, rewards=rewards.weighted([("wants_id", wants_id)], [1.0]))
+    task.score(rows[1:], ["a"])  # a batch in which no row has the field: still passed, as None
+    assert seen == [[None]]
+    path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "a", "prompts": "x"}])
+    with pytest.raises(ValueError, match="bad.jsonl:1: a field may not be named 'prompts'"):
+        data.load_jsonl(path)
+    with pytest.raises(config.UserError, match="no reward may be named 'reward'"):
+        rewards.from_flags(config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)])
 
 
 def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion():
@@ -2066,6 +2107,9 @@ def bad_input_cases(tmp_path):
         "too many weights": (["--data", good, "--eval-every", "-1", "--reward-weights", "1,1,1"],
                              ["one weight per reward", "got 3"]),
         "prompt field, no data": (["--prompt-field", "text"], ["pass it with --data PATH"]),
+        "fewer rows than a step": (["--data", write_gsm8k(tmp_path / "three.jsonl", n=3), "--eval-every", "-1",
+                                    "--model", tiny_model_dir(tmp_path)], ["a step takes 4 prompts", "has 3 rows"]),
+        "fsdp alone": (["--fsdp"], ["--fsdp shards the model over processes: start it with torchrun"]),
     }
 
 
@@ -2073,10 +2117,12 @@ def bad_input_cases(tmp_path):
                                   "malformed data", "micro-batch not whole groups", "eval limit 0",
                                   "negative early stop", "plot without metrics", "negative seed",
                                   "output dir is a file", "nothing to resume", "unknown reward module",
-                                  "too many weights", "prompt field, no data"])
+                                  "too many weights", "prompt field, no data", "fewer rows than a step",
+                                  "fsdp alone"])
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
     argv, expected = bad_input_cases(tmp_path)[case]
+    capsys.readouterr()  # building the cases (a saved model) may print: only main's output counts
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--output-dir", str(tmp_path / "run")] + argv)  # a case's own --output-dir wins
     assert exit_info.value.code == 2
@@ -2098,7 +2144,9 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(mo
 
 
 # --- torchrun: data parallel on CPU with gloo (2 processes) --------------------------------------------------------
-DISTRIBUTED_LENGTHS = [6, 5, 6, 4, 2, 1, 3, 2]  # group 0 long, group 1 short: a per-rank normalizer would be wrong
+# Group 0 long, group 1 one token each: a per-rank normalizer would be wrong, and under FSDP2 rank 1's micro-batch
+# of 1-token completions must still run the same forwards as rank 0's.
+DISTRIBUTED_LENGTHS = [6, 5, 6, 4, 1, 1, 1, 1]
 
 
 def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):

@@ -386,6 +386,11 @@ def setup(args, resume_dir=None):
     named = [(r.name, r.fn) for r in task.rewards]  # the task's own rewards, which --reward-fn replaces
     task = dataclasses.replace(task, response_prefix=args.response_prefix, rewards=rewards.from_flags(
         args, named, data.field_names(task.train + task.eval)))
+    step_prompts = distributed.world() * args.batch_size * args.gradient_accumulation_steps
+    if not args.eval_only and args.steps > 0 and len(task.train) < step_prompts:
+        raise UserError(f"a step takes {step_prompts} prompts (batch-size x gradient-accumulation-steps"
+                        + (" x processes" if distributed.world() > 1 else "") + f"), but the training data has "
+                        f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows.")
     if not args.demo:
         name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
         model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
@@ -402,6 +407,8 @@ def main(argv=None):
         if args.world_size > 1 and args.dynamic_sampling:
             raise UserError("--dynamic-sampling does not run under torchrun yet: ranks would refill their batches "
                             "with different numbers of generate calls and micro-batches. Run it in one process.")
+        if args.fsdp and args.world_size == 1:
+            raise UserError("--fsdp shards the model over processes: start it with torchrun --nproc-per-node N.")
         if args.fsdp and (args.resume or args.lora_rank):
             raise UserError("--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
                             "state) nor train LoRA adapters; use DDP (no --fsdp) for those.")
