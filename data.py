@@ -42,14 +42,19 @@ class Task:
         """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
         return [self.response_prefix + c for c in completions]
 
+    @functools.cached_property
+    def field_names(self):
+        """The names of the task's fields (train and held-out rows), computed once."""
+        return field_names(self.train + self.eval)
+
     def score(self, rows, completions, G=1, lengths=None):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G first, as
         sampled) and each function's {name: [N]}. The functions see the responses (prefix + completion) and each
         row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each, and
         each completion's token count (`completion_lengths`, from `lengths` [N])."""
         rows = [row for row in rows for _ in range(G)]
-        names = field_names(self.train + self.eval)  # the task's fields: a row without one gets None
-        columns = {name: [row.get("fields", {}).get(name) for row in rows] for name in names}
+        columns = {name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
+                   for name in self.field_names}
         columns["prompts"] = [row["question"] for row in rows]
         if lengths is not None:
             columns["completion_lengths"] = [int(n) for n in lengths]

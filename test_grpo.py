@@ -864,6 +864,13 @@ def without_time(rows):
     return [{k: v for k, v in row.items() if k not in TIME_FIELDS} for row in rows]
 
 
+def assert_same_run(straight, resumed):
+    """The resumed run logged exactly the uninterrupted one's metrics and ended with bit-identical weights."""
+    assert without_time(read_metrics(resumed)) == without_time(read_metrics(straight))
+    final = [AutoModelForCausalLM.from_pretrained(d / "checkpoint").state_dict() for d in (straight, resumed)]
+    assert all(torch.equal(final[0][k], v) for k, v in final[1].items())
+
+
 def write_gsm8k(path, n=6):
     with open(path, "w") as f:
         for i in range(n):
@@ -1561,10 +1568,7 @@ def test_lora_periodic_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path,
     assert saves == [False, False, True]  # adapters every step; the merged model only when the run ends
     run_tiny(tmp_path / "resumed", *argv, "--steps", "1")
     run_tiny(tmp_path / "resumed", *argv, "--resume")
-    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(read_metrics(tmp_path / "straight"))
-    final = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "checkpoint").state_dict()
-             for d in ("straight", "resumed")]
-    assert all(torch.equal(final[0][k], v) for k, v in final[1].items())
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_lora_without_peft_or_with_a_missing_module_is_one_clear_error(tmp_path, monkeypatch):
@@ -2233,10 +2237,7 @@ def test_distributed_resume_under_torchrun_is_exact(tmp_path):
     torchrun(tmp_path / "straight", *argv)
     torchrun(tmp_path / "resumed", *argv, "--steps", "1")
     torchrun(tmp_path / "resumed", *argv, "--resume")
-    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(read_metrics(tmp_path / "straight"))
-    final = [AutoModelForCausalLM.from_pretrained(tmp_path / d / "checkpoint").state_dict()
-             for d in ("straight", "resumed")]
-    assert all(torch.equal(final[0][k], v) for k, v in final[1].items())
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
 
 
 # --- the demo ---------------------------------------------------------------------------------------------------------

@@ -41,8 +41,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
     run = checkpoint.start(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
-    settings, prompts_per_step = sampling.Sampling.of(args), distributed.world() * args.batch_size * \
-        args.gradient_accumulation_steps  # over all ranks (under torchrun, each takes its share)
+    settings = sampling.Sampling.of(args)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
     update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=Objective.of(args),
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler,
@@ -53,7 +52,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
         try:
-            rows = distributed.shard(data.batch_at(task.train, prompts_per_step, args.seed, step))  # 5 (this rank's)
+            rows = distributed.shard(data.batch_at(task.train, prompts_per_step(args), args.seed, step))  # 5: my share
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
@@ -93,6 +92,11 @@ def train(args, task, model, tokenizer, resume_dir=None):
             break
     finish(run, task, args)
     return run.evals
+
+
+def prompts_per_step(args):
+    """A step's prompts over all ranks (under torchrun each takes its share)."""
+    return distributed.world() * args.batch_size * args.gradient_accumulation_steps
 
 
 def finish(run, task, args):
@@ -385,10 +389,9 @@ def setup(args, resume_dir=None):
         task = data.task_from_flags(args)  # GSM8K, or your JSONL with --prompt-field/--answer-field
     named = [(r.name, r.fn) for r in task.rewards]  # the task's own rewards, which --reward-fn replaces
     task = dataclasses.replace(task, response_prefix=args.response_prefix, rewards=rewards.from_flags(
-        args, named, data.field_names(task.train + task.eval)))
-    step_prompts = distributed.world() * args.batch_size * args.gradient_accumulation_steps
-    if not args.eval_only and args.steps > 0 and len(task.train) < step_prompts:
-        raise UserError(f"a step takes {step_prompts} prompts (batch-size x gradient-accumulation-steps"
+        args, named, task.field_names))
+    if not args.eval_only and args.steps > 0 and len(task.train) < prompts_per_step(args):
+        raise UserError(f"a step takes {prompts_per_step(args)} prompts (batch-size x gradient-accumulation-steps"
                         + (" x processes" if distributed.world() > 1 else "") + f"), but the training data has "
                         f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows.")
     if not args.demo:
