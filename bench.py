@@ -26,7 +26,7 @@ import tempfile
 import time
 
 import torch
-from transformers import get_scheduler
+from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
 
 import checkpoint
 import config
@@ -127,12 +127,44 @@ def checksum(model):
         return sum(float((p.double() * (i + 1)).sum()) for i, p in enumerate(model.parameters()))
 
 
-def fix_length(model, new_tokens):
-    """Fixed-length generation: EOS gets probability 0 until new_tokens are written (transformers' min_new_tokens),
-    so every completion is exactly new_tokens long and runs compare. Set on the model's generation config (which
-    TRL's generate starts from); sampling.generate ignores that config (sampling from the flags only), so our_step
-    passes min_new_tokens to it instead."""
-    model.generation_config.min_new_tokens = new_tokens
+def forced_lengths(a):
+    """[steps, B*G] completion lengths, EOS included, the same for both trainers: with --real-length, drawn uniformly
+    from [max_new/8, max_new] (seed 0), as real completions vary; else max_new + 1 (EOS never comes: every completion
+    is exactly max_new tokens, cut off by the budget). Row i of step s ends with EOS as its lengths[s, i]-th token."""
+    n, C = a.warmup + a.steps, a.max_new_tokens
+    if not a.real_length:
+        return torch.full((n, a.batch_size * a.num_generations), C + 1)
+    return torch.randint(C // 8, C + 1, (n, a.batch_size * a.num_generations), generator=torch.Generator().manual_seed(0))
+
+
+def expected_lengths(lengths, max_new):
+    return lengths.clamp(max=max_new).tolist()
+
+
+class ForcedLengths(LogitsProcessor):
+    """The forced lengths in transformers' generate() (TRL's side; decode() takes them for ours): EOS gets probability
+    0 before a row's length and 1 at it. generate() keeps rows in place, so row i is always row i."""
+
+    def __init__(self, lengths, prompt_length, eos):
+        self.lengths, self.prompt_length, self.eos = lengths, prompt_length, eos
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.prompt_length                       # completion tokens written so far
+        scores[:, self.eos] = float("-inf")
+        end = (self.lengths == t + 1).to(scores.device)
+        scores[end] = float("-inf")
+        scores[end, self.eos] = 0.0
+        return scores
+
+
+def force_lengths(model, lengths):
+    """Every model.generate() call (TRL's, one per GRPO step) gets the next step's ForcedLengths."""
+    real, calls = model.generate, iter(lengths)
+
+    def generate(*args, **kwargs):
+        processor = ForcedLengths(next(calls), kwargs["input_ids"].shape[1], demo.EOS)
+        return real(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
+    model.generate = generate
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -179,21 +211,20 @@ def worker_logprobs(a):
     return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
 
 
-def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, task_rewards, a, record):
+def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, task_rewards, a, record, lengths):
     """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
     G, amp = a.num_generations, sampling.AMP[a.dtype]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     objective = train.Objective(epsilon=0.2, epsilon_high=None, beta=a.beta, loss_type="grpo", ratio_level="token",
                                 max_tokens=a.max_new_tokens, delta=None)
-    with phase(record, "generate"):  # 7: G samples per prompt, one generate call, fixed length
-        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp,
-                                            min_new_tokens=a.max_new_tokens)
+    with phase(record, "generate"):  # 7: G samples per prompt, one decode, the forced lengths
+        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp, lengths=lengths)
     with phase(record, "rewards"):   # 8 and 9: rewards and group-relative advantages
         reward, _ = rewards.score(task_rewards, rollouts.texts, answers)
         advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
     mask = rollouts.completion_mask
-    if int(mask.sum()) != mask.numel():
-        raise RuntimeError(f"completions are not fixed-length: lengths {mask.sum(1).tolist()}")
+    if mask.sum(1).tolist() != expected_lengths(lengths, a.max_new_tokens):
+        raise RuntimeError(f"completion lengths {mask.sum(1).tolist()} are not the forced ones {lengths.tolist()}")
     micro = a.batch_size * G
     with phase(record, "ref+old logps"):  # π_ref's log-probs (only when beta > 0)
         ref_logps = None if ref_model is None else train.frozen_logps(ref_model, rollouts, micro, amp)
@@ -203,14 +234,13 @@ def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers
             _, logps = train.policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, ref_logps,
                                            objective=objective, micro_batch_size=micro, amp=amp)
             old_logps = logps if a.num_iterations > 1 and old_logps is None else old_logps
-    return mask.numel()
+    return int(mask.sum())
 
 
 def worker_ours(a):
     """b. (and c.'s side A): warm-up step(s), then a.steps timed steps of our loop."""
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
-    fix_length(model, a.max_new_tokens)
     start = checksum(model)
     model.to(DEVICE)
     ref_model = checkpoint.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
@@ -220,16 +250,18 @@ def worker_ours(a):
     task_rewards = rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
     B = a.batch_size
     prompts = build_prompts((a.warmup + a.steps) * B, a.prompt_len, model.config.vocab_size)
-    steps = []
+    lengths = forced_lengths(a)
+    steps, tokens = [], []
     for i in range(a.warmup + a.steps):
         record = {}
         answers = ["42"] * (B * a.num_generations)
         t0, c0 = time.perf_counter(), time.process_time()
-        tokens = our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts[i * B:(i + 1) * B], answers,
-                          task_rewards, a, record)
+        tokens.append(our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts[i * B:(i + 1) * B], answers,
+                               task_rewards, a, record, lengths[i].to(DEVICE)))
         record["step"] = (time.perf_counter() - t0, max(v[1] for v in record.values()), time.process_time() - c0)
         steps.append(record)
-    return dict(checksum=start, tokens=tokens, first=steps[0]["step"][0], steps=steps[a.warmup:], peak_bytes=PEAK[0])
+    return dict(checksum=start, tokens=statistics.median(tokens[a.warmup:]), first=steps[0]["step"][0],
+                steps=steps[a.warmup:], peak_bytes=PEAK[0])
 
 
 def worker_trl(a):
@@ -241,13 +273,14 @@ def worker_trl(a):
 
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
-    fix_length(model, a.max_new_tokens)
     start = checksum(model)
+    lengths = forced_lengths(a)
+    force_lengths(model, lengths)
     tmp = tempfile.mkdtemp(prefix="bench_trl_")
     if a.beta > 0:  # TRL builds its reference model with from_pretrained(model.config._name_or_path)
         model.save_pretrained(tmp)
         model.config._name_or_path = tmp
-    B, G = a.batch_size, a.num_generations
+    B = a.batch_size
     n = a.warmup + a.steps
     prompts = build_prompts(n * B, a.prompt_len, model.config.vocab_size)
     dataset = Dataset.from_dict({"prompt": prompts, "answer": ["42"] * len(prompts)})
@@ -265,16 +298,16 @@ def worker_trl(a):
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
                           args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(start)
-    lengths = time_phases(trainer, times, record)
+    generated = time_phases(trainer, times, record)
     mem_start()  # peak memory from here: the training steps, as PEAK for ours
     trainer.train()
     peak = mem_peak()
     shutil.rmtree(tmp, ignore_errors=True)
-    if set(lengths) != {a.max_new_tokens}:
-        raise RuntimeError(f"TRL completions are not fixed-length: {sorted(set(lengths))}")
+    if generated != [x for row in lengths for x in expected_lengths(row, a.max_new_tokens)]:
+        raise RuntimeError(f"TRL's completion lengths {generated} are not the forced ones {lengths.tolist()}")
     steps = trl_steps(times, record, n, a.num_iterations)
-    return dict(checksum=start, same_ref=same_ref, tokens=B * G * a.max_new_tokens, first=steps[0]["step"][0],
-                steps=steps[a.warmup:], peak_bytes=peak)
+    return dict(checksum=start, same_ref=same_ref, tokens=statistics.median(lengths[a.warmup:].clamp(
+        max=a.max_new_tokens).sum(1).tolist()), first=steps[0]["step"][0], steps=steps[a.warmup:], peak_bytes=peak)
 
 
 def trl_reward(fn):
@@ -321,7 +354,6 @@ def trl_config(a, tmp, n):
         # TRL counts its batch in completions, not prompts
         per_device_train_batch_size=a.batch_size * a.num_generations, gradient_accumulation_steps=1,
         num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
-        generation_kwargs={"min_new_tokens": a.max_new_tokens},  # fixed length, as fix_length does for ours
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
         learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
@@ -356,7 +388,7 @@ def run_worker(a, name, *extra):
              "--num-iterations", a.num_iterations, "--batch-size", a.batch_size, "--prompt-len", a.prompt_len,
              "--max-new-tokens", a.max_new_tokens, "--steps", a.steps, "--warmup", a.warmup, "--lr", a.lr,
              "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--dtype", a.dtype,
-             "--threads", a.threads, *extra]
+             "--threads", a.threads, *["--real-length"] * a.real_length, *extra]
     python = os.environ.get("BENCH_PYTHON", sys.executable) if name in ("trl", "parity") else sys.executable
     proc = subprocess.run([python, os.path.abspath(__file__), *map(str, flags)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -402,7 +434,7 @@ def bench_logprobs(a, rows):
 def bench_step(a, rows):
     r = run_worker(a, "ours")
     phases = median_phases(r["steps"])
-    tag = f"{a.config} step"
+    tag = f"{a.config}{' real-length' * a.real_length} step"
     rows.append((f"{tag} (median of {a.steps})", "time", "extra memory", "CPU time, rate"))
     for name in PHASES + ["step"]:
         s, extra, cpu = phases[name]
@@ -426,7 +458,7 @@ def bench_vs_trl(a, rows):
         cpu_ratios.append(ours_runs[-1]["step"][2] / trl_runs[-1]["step"][2])
         print(f"round {i + 1}: ours {ours_runs[-1]['step'][0]:.3f} s, TRL {trl_runs[-1]['step'][0]:.3f} s, "
               f"ratio {ratios[-1]:.3f} (CPU time ratio {cpu_ratios[-1]:.3f})", flush=True)
-    tag = f"{a.config} vs TRL"
+    tag = f"{a.config}{' real-length' * a.real_length} vs TRL"
     rows.append((f"{tag} (medians)", "ours", "TRL", "ours/TRL"))
     for name in PHASES + ["step"]:
         o = statistics.median(r[name][0] for r in ours_runs)
@@ -760,6 +792,9 @@ def build_parser():
     p.add_argument("--steps", type=int, default=None, help="timed steps per run, after --warmup; default per config")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run")
     p.add_argument("--rounds", type=int, default=3, help="--vs-trl: A B pairs")
+    p.add_argument("--real-length", action="store_true",
+                   help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
+                        "0, the same for both trainers) instead of all running to max_new")
     p.add_argument("--repeats", type=int, default=1, help="--logprobs: calls per variant (median of all but the first)")
     # One thread by default on CPU: on a machine shared with other jobs, OpenMP threads waiting at barriers for a
     # descheduled sibling made steps up to 70x slower and unrepeatable (measured here); one thread runs steadily.

@@ -98,6 +98,9 @@ def start(args, model, tokenizer, resume_dir=None):
     model.to(args.device)
     if args.gradient_checkpointing:
         sampling.enable_gradient_checkpointing(model)
+    if args.compile:  # the decode step and the log-prob forwards of π_θ (and π_ref's)
+        for m in {id(m): m for m in (model, ref_model) if m is not None}.values():
+            sampling.compile_model(m, args.compile)
     model.train()
     if args.fsdp:  # under torchrun: shard π_θ and π_ref over the ranks instead of replicating them
         distributed.shard_model(model)

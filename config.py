@@ -144,6 +144,10 @@ def add_sampling_and_optimization_flags(p):
                         "unit per decoder layer) instead of replicating them (DDP)")
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in backward: less memory, ~30%% more time")
+    g.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the decode step (fixed shapes, static KV cache; CUDA graphs on a GPU) and the "
+                        "log-prob forwards; BACKEND: a torch.compile backend (inductor if not given; aot_eager checks "
+                        "the graphs without generating code)")
 
 
 def add_run_flags(p):
@@ -277,6 +281,9 @@ def check_option_flags(args):
                         f"({args.max_new_tokens}).")
     if not 0 <= args.lora_dropout < 1 or (args.lora_alpha is not None and args.lora_alpha <= 0):
         raise UserError("--lora-dropout must be in [0, 1) and --lora-alpha > 0.")
+    if args.compile and (args.fsdp or args.lora_rank):
+        raise UserError("--compile compiles a whole, unadapted model: it does not combine with --fsdp or --lora-rank "
+                        "yet; drop one of them.")
 
 
 def check_task_flags(args):

@@ -1,18 +1,20 @@
 """Generation and log-probs of a transformers causal LM: everything that touches the model's internals.
 
 grpo.py is the math and never sees a model; this file turns a model into what the math takes:
-  sample_rollouts   B prompts -> B*G completions, in one batched generate call, from the flags' settings only
+  sample_rollouts   B prompts -> B*G completions, by decode() (a short loop: static KV cache, each prompt prefilled
+                    once, finished rows leave the batch), from the flags' settings only
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
 """
 import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 import grpo
 
@@ -116,35 +118,63 @@ def tokenize_prompts(tokenizer, prompts, device, max_length=None):
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+def survivors(scores, top_k, top_p):
+    """The tokens sampling may draw after top-k, then top-p (transformers' TopKLogitsWarper and TopPLogitsWarper, in
+    that order), from tempered scores [n, V], without sorting the whole vocabulary when top-k is on: (values [n, m],
+    indices [n, m]), values -inf where top-p dropped a survivor; indices None when nothing is cut (m = V, as given)."""
+    V = scores.shape[-1]
+    if top_k <= 0 and top_p >= 1.0:
+        return scores, None
+    k = min(top_k, V) if top_k > 0 else V
+    values, indices = scores.topk(k, dim=-1)                                      # [n, k], descending
+    kth = values[:, -1:]
+    tied = int((scores >= kth).sum(-1).max())  # HF keeps every token tied with the k-th logit: widen to them
+    if tied > k:
+        values, indices = scores.topk(tied, dim=-1)
+        values = values.masked_fill(values < kth, float("-inf"))
+    if top_p < 1.0:
+        # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose cumulative
+        # probability stays <= 1 - top_p, always keep the most likely one.
+        values, indices = values.flip(-1), indices.flip(-1)                       # ascending
+        cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False
+        values = values.masked_fill(remove, float("-inf"))
+    return values, indices
+
+
 class TemperatureTopKTopP(LogitsProcessor):
-    """Temperature, then top-k, then top-p over the k survivors only: the distribution of transformers'
-    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper in that order, without sorting the whole
-    vocabulary at every token. The temperature is applied here because generate() runs a user's processors before
-    its own warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits / temperature,
-    every other token gets -inf."""
+    """Temperature, then top-k, then top-p (survivors) as one transformers LogitsProcessor, for the paths that still
+    run generate() (beam search, FSDP): the distribution of TemperatureLogitsWarper, TopKLogitsWarper and
+    TopPLogitsWarper in that order. The temperature is applied here because generate() runs a user's processors
+    before its own warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits /
+    temperature, every other token gets -inf."""
 
     def __init__(self, temperature, top_k, top_p):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
 
     def __call__(self, input_ids, scores):
-        scores = scores / self.temperature                                        # as TemperatureLogitsWarper
-        V = scores.shape[-1]
-        k = min(self.top_k, V) if self.top_k > 0 else V
-        values, indices = scores.topk(k, dim=-1)                                  # [n, k], descending
-        kth = values[:, -1:]
-        tied = int((scores >= kth).sum(-1).max())  # HF keeps every token tied with the k-th logit: widen to them
-        if tied > k:
-            values, indices = scores.topk(tied, dim=-1)
-            values = values.masked_fill(values < kth, float("-inf"))
-        if self.top_p < 1.0:
-            # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose cumulative
-            # probability stays <= 1 - top_p, always keep the most likely one.
-            values, indices = values.flip(-1), indices.flip(-1)                   # ascending
-            cumulative = values.softmax(dim=-1).cumsum(dim=-1)
-            remove = cumulative <= (1 - self.top_p)
-            remove[..., -1:] = False
-            values = values.masked_fill(remove, float("-inf"))
+        values, indices = survivors(scores / self.temperature, self.top_k, self.top_p)
+        if indices is None:
+            return values
         return torch.full_like(scores, float("-inf")).scatter_(-1, indices, values)
+
+
+def sample_tokens(logits, settings, uniforms=None):
+    """One token per row of logits [n, V], drawn as settings say, and its log-prob under the distribution it was drawn
+    from: ([n] ids, [n] fp32 log-probs). Temperature, then top-k and top-p (survivors), then one uniform per row
+    ([n, 1] in [0, 1), drawn here if not given) through the survivors' cumulative distribution (inverse-CDF
+    sampling): no multinomial over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
+    if settings.temperature == 0:
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    values, indices = survivors(logits.float() / settings.temperature, settings.top_k, settings.top_p)
+    logp = values.log_softmax(dim=-1)                                             # [n, m]
+    cdf = logp.exp().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) if uniforms is None else uniforms
+    u = u * cdf[:, -1:]                                                           # in [0, total): never past the end
+    choice = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)   # [n, 1]: first cdf > u (p > 0)
+    token = choice if indices is None else indices.gather(-1, choice)
+    return token.squeeze(-1), logp.gather(-1, choice).squeeze(-1)
 
 
 def is_sharded(model):
@@ -153,13 +183,13 @@ def is_sharded(model):
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def generation_config(settings, eos_ids, pad_id, num_return_sequences, min_new_tokens=0):
+def generation_config(settings, eos_ids, pad_id, num_return_sequences):
     """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
-    (TemperatureTopKTopP applies them). min_new_tokens: bench.py's fixed-length completions; 0 in training."""
+    (TemperatureTopKTopP applies them)."""
     return GenerationConfig(
         do_sample=settings.temperature > 0 and settings.num_beams == 1, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=settings.max_new_tokens, min_new_tokens=min_new_tokens or None, eos_token_id=eos_ids,
-        pad_token_id=pad_id, num_return_sequences=num_return_sequences, num_beams=settings.num_beams, use_cache=True,
+        max_new_tokens=settings.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id,
+        num_return_sequences=num_return_sequences, num_beams=settings.num_beams, use_cache=True,
         repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
@@ -176,45 +206,125 @@ def flags_only(model):
         model.generation_config = saved
 
 
-def prefill_prompts(model, prompt_ids, prompt_mask, group_size):
-    """The KV cache of every prompt but its last token, computed once per prompt ([B, P-1]) and repeated G times
-    (rows group after group), or None where that cannot be done (P == 1, or a cache without
-    batch_repeat_interleave). generate() would otherwise expand the prompts to [B*G, P] and prefill each G times."""
-    if prompt_ids.shape[1] < 2:
-        return None
-    ids, attn = prompt_ids[:, :-1], prompt_mask[:, :-1]
-    position_ids = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 1)  # as generate() computes them
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    cache = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
-                  **keep).past_key_values                                       # no [B, P-1, V] logits
-    if not hasattr(cache, "batch_repeat_interleave"):
-        return None
-    cache.batch_repeat_interleave(group_size)                                  # [B, ...] -> [B*G, ...]
+def lean(model, settings):
+    """Whether decode() runs this model: sampling or greedy (beam search stays with generate()), whole weights (under
+    FSDP2 generate() keeps the processes in lockstep), and a model transformers can run with a static cache."""
+    return settings.num_beams == 1 and not is_sharded(model) and getattr(model, "_can_compile_fullgraph", False)
+
+
+def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, amp=None, lengths=None):
+    """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the longest. decode()
+    where lean() allows; otherwise one generate() call (num_return_sequences=G, or the G best of K beams)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast(prompt_ids.device, amp):
+        if lean(model, settings):
+            out = decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths)[0]
+        else:
+            if lengths is not None:
+                raise ValueError("forced completion lengths are decode()'s (bench.py); this model runs generate()")
+            beams = settings.num_beams > 1
+            processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k,
+                                                                  settings.top_p)]
+                                             if settings.temperature > 0 and not beams else [])  # 0: greedy
+            with flags_only(model):
+                out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, logits_processor=processors,
+                                     generation_config=generation_config(settings, eos_ids, pad_id, group_size),
+                                     synced_gpus=is_sharded(model))[:, prompt_ids.shape[1]:]
+    model.train(was_training)
+    return out
+
+
+# torch.compile'd callables per model (compile_model): id(model) -> {"decode": step, "body": forward, "caches": {}}
+COMPILED = {}
+
+
+def _decode_step(model, token, mask, position, cache):
+    """One token per row through the model against its KV cache: the next logits [n, V]."""
+    return model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
+                 use_cache=True).logits[:, -1]
+
+
+def _grouped_cache(model, prefill, group, reuse):
+    """The B prompts' prefilled cache, repeated to their B*G rows (group: each row's prompt). reuse (compiled): written
+    in place into one cache kept per shape, so CUDA graphs find it at the same addresses at every call."""
+    if reuse is None:
+        prefill.reorder_cache(group)
+        return prefill
+    length = prefill.layers[0].max_cache_len
+    cache = reuse.setdefault((len(group), length), StaticCache(config=model.config, max_cache_len=length))
+    for layer, prompt in zip(cache.layers, prefill.layers):
+        keys, values = prompt.keys[group], prompt.values[group]
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys.copy_(keys)
+        layer.values.copy_(values)
+        layer.cumulative_length.copy_(prompt.cumulative_length)
     return cache
 
 
-def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, amp=None, min_new_tokens=0):
-    """G samples per prompt in one batched generate call: sequences [B*G, P+C], group after group. Each prompt is
-    prefilled once (prefill_prompts); generate then feeds only the last prompt token of each row before decoding.
-    With settings.num_beams = K > 1 the G rows of a prompt are instead the G best of K beams of one beam search."""
-    was_training = model.training
-    model.eval()
-    beams = settings.num_beams > 1
-    with torch.no_grad(), autocast(prompt_ids.device, amp), flags_only(model):
-        cache = None if beams or is_sharded(model) else prefill_prompts(model, prompt_ids, prompt_mask, group_size)
-        config = generation_config(settings, eos_ids, pad_id, 1 if cache is not None else group_size, min_new_tokens)
-        processors = LogitsProcessorList([TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)]
-                                         if settings.temperature > 0 and not beams else [])  # 0: greedy (argmax)
-        if cache is not None:
-            out = model.generate(input_ids=prompt_ids.repeat_interleave(group_size, dim=0),
-                                 attention_mask=prompt_mask.repeat_interleave(group_size, dim=0),
-                                 past_key_values=cache, generation_config=config, logits_processor=processors,
-                                 synced_gpus=is_sharded(model))
-        else:  # num_return_sequences=G: each prompt's G samples (or best beams) in place: the same layout
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 logits_processor=processors, synced_gpus=is_sharded(model))
-    model.train(was_training)
-    return out
+@torch.no_grad()
+def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
+    """The lean decode path, a short loop over the model's forward in place of generate(): ([B*G, C] completions,
+    pad after EOS, C <= max_new_tokens the longest; [B*G, C] the log-prob each token was drawn with, 0 after EOS).
+      - the KV cache is preallocated (transformers' StaticCache) and written in place, never grown by concatenation;
+      - each prompt is prefilled once, and its cache copied to its G rows;
+      - tokens are drawn among the top-k / top-p survivors only (sample_tokens);
+      - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished rows cost nothing.
+        Compiled (compile_model), shapes stay fixed instead: finished rows run on, writing pad, until all are done.
+    lengths: bench.py's forced completion lengths, [B*G]: row i's EOS is its lengths[i]-th token and never comes
+    earlier (a length over max_new_tokens: no EOS at all). None in training."""
+    (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
+    compiled = COMPILED.get(id(model))
+    step = functools.partial(_decode_step, model) if compiled is None else compiled["decode"]
+    L = P + C if compiled is None else -(-(P + C) // 64) * 64   # compiled: cache lengths in steps of 64, few shapes
+    # Every completion column is 1 from the start: causal masking hides the positions not yet written.
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, C), prompt_mask.new_zeros(B, L - P - C)], dim=1)
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)                     # [B, P], as generate() has them
+    prefill = StaticCache(config=model.config, max_cache_len=L)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=prefill,
+                   use_cache=True, **keep).logits[:, -1]                              # [B, V]: each prompt once
+    group = torch.arange(B, device=device).repeat_interleave(G)                       # [B*G]: each row's prompt
+    cache = _grouped_cache(model, prefill, group, None if compiled is None else compiled["caches"])
+    logits, mask, position = logits[group], mask[group], positions[group, -1:] + 1
+    completions = torch.full((B * G, C), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(B * G, C, device=device)
+    rows = torch.arange(B * G, device=device)                                        # the rows still in the batch
+    done = torch.zeros(B * G, dtype=torch.bool, device=device)                       # compiled: rows past their EOS
+    eos = torch.tensor(eos_ids, device=device)
+    for t in range(C):
+        if lengths is not None:                                                      # bench.py: EOS where it says
+            logits[:, eos] = float("-inf")
+        # Uniforms for every row, used by the rows still in: compiled or not, a run draws the same samples.
+        token, logp = sample_tokens(logits, settings, torch.rand(B * G, 1, device=device)[rows])
+        if lengths is not None:
+            token = torch.where(lengths[rows] == t + 1, eos[0], token)
+        completions[rows, t] = token.masked_fill(done, pad_id)
+        logps[rows, t] = logp.masked_fill(done, 0.0)
+        ended = torch.isin(token, eos)
+        if compiled is not None:
+            done |= ended
+        elif ended.any():                                                            # they leave the batch
+            stay = (~ended).nonzero().squeeze(1)
+            rows, token, mask, position, done = rows[stay], token[stay], mask[stay], position[stay], done[stay]
+            cache.reorder_cache(stay)
+        if t == C - 1 or rows.numel() == 0 or bool(done.all()):
+            break
+        logits = step(token[:, None], mask, position, cache)
+        position = position + 1
+    return completions[:, :t + 1], logps[:, :t + 1]
+
+
+def compile_model(model, backend="inductor"):
+    """--compile: torch.compile the decode step (fixed shapes against a static cache; CUDA graphs on a GPU, mode
+    "reduce-overhead") and the forward of the log-prob passes (dynamic shapes). Weights and state dict untouched."""
+    mode = "reduce-overhead" if next(model.parameters()).is_cuda and backend == "inductor" else None
+    body = model.model if _plain_linear_head(model) is not None else model
+    COMPILED[id(model)] = dict(
+        decode=torch.compile(functools.partial(_decode_step, model), backend=backend, mode=mode, dynamic=False),
+        body=torch.compile(body, backend=backend, dynamic=True), caches={})
+    return model
 
 
 def decode_completions(tokenizer, completion_ids, mask):
@@ -224,19 +334,20 @@ def decode_completions(tokenizer, completion_ids, mask):
                                   skip_special_tokens=True)
 
 
-def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, min_new_tokens=0):
-    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device."""
+def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, lengths=None):
+    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device. lengths:
+    bench.py's forced completion lengths (decode()); None in training."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     context = getattr(model.config, "max_position_embeddings", None)
     limit = settings.max_prompt_length or (context - settings.max_new_tokens if context else None)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)       # [B, P]
-    sequences = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id, amp,
-                         min_new_tokens)                                                 # [B*G, P+C]
-    completion_ids = sequences[:, prompt_ids.shape[1]:]                                  # [B*G, C]
+    completion_ids = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id,
+                              amp, lengths)                                              # [B*G, C]
     mask = grpo.completion_mask(completion_ids, eos)                                     # [B*G, C]
     attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)
     truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=device)).any(1)     # [B*G]
+    sequences = torch.cat([prompt_ids.repeat_interleave(group_size, dim=0), completion_ids], dim=1)
     return Rollouts(sequences, attention_mask, mask, decode_completions(tokenizer, completion_ids, mask),
                     group_size, settings.temperature, truncated)
 
@@ -384,11 +495,12 @@ def _features(model, input_ids, attention_mask, position_ids, num_positions, use
     head = _plain_linear_head(model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   past_key_values=past_key_values, use_cache=use_cache)
+    compiled = COMPILED.get(id(model), {}).get("body")                    # --compile: the same forward, compiled
     if head is not None:
-        out = model.model(**kwargs)
+        out = (model.model if compiled is None else compiled)(**kwargs)
         features = out.last_hidden_state[:, out.last_hidden_state.shape[1] - num_positions:]
     else:
-        out = model(**kwargs, logits_to_keep=num_positions)
+        out = (model if compiled is None else compiled)(**kwargs, logits_to_keep=num_positions)
         features = out.logits[:, out.logits.shape[1] - num_positions:]
     return features, head, getattr(out, "past_key_values", None)
 

@@ -5,6 +5,7 @@ Nothing here touches the network; models and tokenizers are built in code.
 Tolerances: values computed in fp32 from a handful of exp/log ops agree with the exact decimals to about
 1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals themselves have 6 places).
 """
+import collections
 import dataclasses
 import errno
 import functools
@@ -1036,21 +1037,94 @@ def small_llama(seed=0):
     return demo.tiny_llama(97, seed, num_key_value_heads=2, tie_word_embeddings=False).eval()
 
 
-def test_prefill_once_gives_the_plain_generate_calls_greedy_sequences_with_left_padding(monkeypatch):
+def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefills_each_prompt_once():
     model = small_llama()
     ids, mask = left_padded_prompts([5, 1, 8, 3], 97)  # the 1-token prompt's prefill columns are all padding
-    # top-k = 1: sampling keeps only the argmax, so generation is greedy and both calls must agree token for token.
+    # top-k = 1: sampling keeps only the argmax, so decode is greedy and must equal transformers' greedy generate
+    # (on the prompts repeated G times) token for token, EOS and the padding after it included.
     settings = sampling.Sampling(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=12)
-    prefilled, real_prefill = [], sampling.prefill_prompts
-    monkeypatch.setattr(sampling, "prefill_prompts", lambda *a: prefilled.append(a[1].shape) or real_prefill(*a))
-    once = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
-    monkeypatch.setattr(sampling, "prefill_prompts", lambda *a: None)  # the fallback: generate expands the prompts
-    plain = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
-    assert prefilled == [torch.Size([4, 8])]  # the B prompts once, not B*G rows
-    assert once.shape == plain.shape == (12, 8 + 12)
-    assert torch.equal(once, plain)
-    assert torch.equal(once[:, :8], ids.repeat_interleave(3, dim=0))  # rows group after group
-    assert len({tuple(row) for row in once[:, 8:].tolist()}) > 1  # not a degenerate all-equal output
+    batches = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: batches.append(tuple(args[0].shape)))
+    ours = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    assert batches[0] == (4, 8)  # the B prompts once, not B*G rows
+    assert batches[1] == (12, 1)
+    hf = model.generate(input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0),
+                        do_sample=False, max_new_tokens=12, eos_token_id=demo.EOS, pad_token_id=demo.PAD)[:, 8:]
+    assert torch.equal(ours, hf)
+    assert len({tuple(row) for row in ours.tolist()}) > 1  # not a degenerate all-equal output
+
+
+def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
+    model = small_llama()
+    ids, mask = left_padded_prompts([4, 6], 97)
+    settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
+    lengths = torch.tensor([3, 8, 1, 9, 5, 2])  # 9 > 8: no EOS (truncated)
+    batches = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: batches.append(args[0].shape[0]))
+    torch.manual_seed(0)
+    out = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD, lengths=lengths)
+    # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS after it.
+    assert batches == [2, 5, 4, 3, 3, 2, 2, 2]
+    assert out.shape == (6, 8)
+    completion_mask = grpo.completion_mask(out, [demo.EOS])
+    assert completion_mask.sum(1).tolist() == [3, 8, 1, 8, 5, 2]
+    assert [row.index(demo.EOS) + 1 if demo.EOS in row else None for row in out.tolist()] == [3, 8, 1, None, 5, 2]
+    assert (out[completion_mask == 0] == demo.PAD).all()
+
+
+def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
+    # Top-k and top-p off: decode samples from softmax(logits / 0.7), the distribution token_logprobs evaluates; the
+    # log-prob each token was drawn with must be token_logprobs' value for it (left-padded prompts of three lengths,
+    # rows of several lengths; fp32 through different batch shapes and a static vs repeated cache: 1e-5).
+    model = small_llama()
+    ids, mask = left_padded_prompts([7, 4, 2], 97)
+    settings = sampling.Sampling(temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=40)
+    torch.manual_seed(0)
+    completions, drawn = sampling.decode(model, ids, mask, settings, 4, [demo.EOS], demo.PAD)
+    completion_mask = grpo.completion_mask(completions, [demo.EOS])
+    assert len(set(completion_mask.sum(1).tolist())) > 2  # rows of several lengths: some left the batch early
+    full = torch.cat([ids.repeat_interleave(4, 0), completions], 1)
+    attention = torch.cat([mask.repeat_interleave(4, 0), completion_mask], 1)
+    logps = token_logprobs(model, full, attention, completions.shape[1], temperature=0.7, group_size=4)
+    torch.testing.assert_close(logps * completion_mask, drawn, rtol=0, atol=1e-5)
+
+
+def chi_square_bound(dof, z=3.719):
+    """The chi-square quantile of dof degrees of freedom at the normal quantile z (3.719: p = 1e-4), by the
+    Wilson-Hilferty approximation (within 1% of the exact quantile for dof >= 3)."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("path", ["decode", "generate"])
+def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_k_top_p(path, monkeypatch):
+    # The exact probability of every two-token completion (or of EOS first) from one prompt, computed from the
+    # model's logits through transformers-equal warpers (T = 0.5, top-k 4, top-p 0.8), against the counts of 6,000
+    # samples: a chi-square test at p = 1e-4 (one fixed seed, so the result is the same at every run). decode() is
+    # the lean path; "generate" is transformers' generate() with our processor, the path it replaced. A token
+    # outside the survivors has probability 0 and fails the test by itself.
+    model, T, k, p, N = small_llama(), 0.5, 4, 0.8, 6000
+    ids, mask = left_padded_prompts([5], 97)
+    warp = sampling.TemperatureTopKTopP(T, k, p)
+    with torch.no_grad():
+        first = warp(None, model(input_ids=ids, attention_mask=mask).logits[:, -1]).softmax(-1)[0]
+        exact = {}
+        for t1 in first.nonzero().squeeze(1).tolist():
+            if t1 == demo.EOS:
+                exact[(t1,)] = first[t1].item()
+                continue
+            seq = torch.cat([ids, torch.tensor([[t1]])], 1)
+            second = warp(None, model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, -1]).softmax(-1)
+            exact.update({(t1, t2): first[t1].item() * second[0, t2].item()
+                          for t2 in second[0].nonzero().squeeze(1).tolist()})
+    assert 6 <= len(exact) <= 16 and max(exact.values()) < 0.5  # a distribution with spread, not one token
+    if path == "generate":
+        monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
+    torch.manual_seed(0)
+    out = sampling.generate(model, ids, mask, sampling.Sampling(T, k, p, 2), N, [demo.EOS], demo.PAD)
+    counts = collections.Counter(tuple(row[:1]) if row[0] == demo.EOS else tuple(row) for row in out.tolist())
+    assert set(counts) <= set(exact)  # nothing outside the survivors
+    chi2 = sum((counts[o] - N * q) ** 2 / (N * q) for o, q in exact.items())
+    assert chi2 < chi_square_bound(len(exact) - 1)
 
 
 @pytest.mark.parametrize("limit, context, expected", [(5, 512, 5), (None, 16, 10), (None, 512, 20)],
@@ -1066,7 +1140,8 @@ def test_a_prompt_longer_than_the_limit_keeps_its_last_tokens_with_a_warning(lim
     assert ("1 prompt(s) longer than" in capsys.readouterr().err) == (expected < 20)
 
 
-def test_generation_follows_the_flags_not_the_checkpoints_generation_config():
+@pytest.mark.parametrize("path", ["decode", "generate"])
+def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path, monkeypatch):
     settings = sampling.Sampling(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=10)
     ids, mask = left_padded_prompts([4, 6], 97)
     clean, polluted = small_llama(), small_llama()
@@ -1080,15 +1155,17 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config():
         used.append(real(self, generation_config, *a, **kw))
         return used[-1]
 
+    if path == "generate":  # transformers' generate(), where decode() does not run (beam search, FSDP)
+        monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
+    monkeypatch.setattr(type(polluted), "_get_logits_processor", record)
     out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(type(polluted), "_get_logits_processor", record)
-        for name, model in (("clean", clean), ("polluted", polluted)):
-            torch.manual_seed(0)
-            out[name] = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    for name, model in (("clean", clean), ("polluted", polluted)):
+        torch.manual_seed(0)
+        out[name] = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert torch.equal(out["clean"], out["polluted"])  # same seed, same samples: the checkpoint's settings unused
+    assert len({tuple(row) for row in out["clean"].tolist()}) > 1
     assert polluted.generation_config.repetition_penalty == 2.0  # and left as they were
-    assert len(used) == 2
+    assert len(used) == (2 if path == "generate" else 0)  # decode() never builds transformers' processors
     for processors in used:  # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
         assert [type(p) for p in processors] == [sampling.TemperatureTopKTopP]
         assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (0.7, 20, 0.8)
@@ -1383,13 +1460,12 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
     real_generate = sampling.generate
 
     def degenerate(model, prompt_ids, prompt_mask, settings, *a, **kw):
-        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)
-        P = prompt_ids.shape[1]
+        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)   # [B*G, C] completions
         if case == "eos_first":  # every completion is just EOS (then padding)
-            out[:, P] = demo.EOS
-            out[:, P + 1:] = demo.PAD
+            out[:, 0] = demo.EOS
+            out[:, 1:] = demo.PAD
         elif case == "no_eos":   # every completion runs to the token budget without EOS
-            out = torch.cat([out[:, :P], torch.full((out.shape[0], settings.max_new_tokens), 10)], dim=1)
+            out = torch.full((out.shape[0], settings.max_new_tokens), 10)
         return out
 
     monkeypatch.setattr(sampling, "generate", degenerate)
@@ -1413,11 +1489,10 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
 def half_truncated(real_generate):
     """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the budget without EOS."""
     def generate(model, prompt_ids, prompt_mask, settings, *a, **kw):
-        P, C = prompt_ids.shape[1], settings.max_new_tokens
-        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)[:, :P]
-        completions = torch.full((out.shape[0], C), 10)
+        rows = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw).shape[0]   # [B*G, C] completions
+        completions = torch.full((rows, settings.max_new_tokens), 10)
         completions[::2, 2], completions[::2, 3:] = demo.EOS, demo.PAD
-        return torch.cat([out, completions], dim=1)
+        return completions
     return generate
 
 
@@ -1435,8 +1510,7 @@ def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fract
 
 def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
     real_generate = sampling.generate
-    monkeypatch.setattr(sampling, "generate", lambda m, ids, *a, **kw: torch.cat(
-        [real_generate(m, ids, *a, **kw)[:, :ids.shape[1]], torch.full((16, 6), 10)], dim=1))
+    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1])
     run_tiny(tmp_path / "run", "--mask-truncated", "--seed", "42")
     (row,) = read_metrics(tmp_path / "run")
     assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["frac_truncated"] == 1.0
@@ -2309,3 +2383,24 @@ def test_train_py_stays_within_450_lines_and_no_function_is_longer_than_60():
                 if node.end_lineno - first + 1 > 60:
                     long.append(f"{name}:{node.name}")
     assert long == []
+
+
+# ================================================================ --compile
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable on this Python")
+def test_compile_trains_as_the_eager_run_does(tmp_path):
+    # --compile with the aot_eager backend traces the decode step and the log-prob forwards into graphs (what
+    # inductor would compile) and runs them op by op: it checks the graphs, not the speed. The compiled decode keeps
+    # every row to the end (fixed shapes) but draws the same uniforms per row, so both runs sample the same
+    # completions and their rewards and lengths are equal; losses, KL and gradient norms agree to 1e-5 (fp32, the
+    # same ops in traced order).
+    run_tiny(tmp_path / "eager", "--steps", "2", "--num-iterations", "2")
+    run_tiny(tmp_path / "compiled", "--steps", "2", "--num-iterations", "2", "--compile", "aot_eager")
+    eager, compiled = (without_time(read_metrics(tmp_path / d)) for d in ("eager", "compiled"))
+    assert len(eager) == len(compiled) == 2
+    for e, c in zip(eager, compiled):
+        assert {k: e[k] for k in e if "reward" in k or "len" in k} == {k: c[k] for k in c if "reward" in k or "len" in k}
+        for k in ("loss", "kl", "grad_norm", "entropy"):
+            assert c[k] == pytest.approx(e[k], abs=1e-5), k
+    assert any(e["completion_len_mean"] < e["completion_len_max"] for e in eager)  # rows left the eager batch early
