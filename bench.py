@@ -30,6 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
 
 import checkpoint
 import config
+import data
 import demo
 import grpo
 import rewards
@@ -472,6 +473,32 @@ def bench_vs_trl(a, rows):
                  "per round " + " ".join(f"{x:.2f}" for x in cpu_ratios)))
 
 
+def bench_rollout(a):
+    """d. sampling.sample_rollouts on a real model (fp32, CPU or GPU), every completion --max-new-tokens long: the
+    median of --steps timed rollouts after --warmup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(a.threads if a.threads != 1 else 2)  # --threads defaults to 1 for the trainer comparisons
+    model = AutoModelForCausalLM.from_pretrained(a.rollout, dtype=torch.float32).to(DEVICE).eval()
+    tokenizer = sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(a.rollout))
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl")) as f:
+        prompts = [data.build_prompt(tokenizer, json.loads(line)["question"]) for line in itertools.islice(f, a.batch_size)]
+    settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
+    lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
+    torch.manual_seed(0)
+    times = []
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, a.num_generations, lengths=lengths)
+        times.append(time.perf_counter() - t0)
+    tokens = int(rollouts.completion_mask.sum())
+    seconds = statistics.median(times[a.warmup:])
+    print(f"{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
+          f"{a.rollout}: {a.batch_size} prompts x G={a.num_generations}, {a.max_new_tokens} new tokens, "
+          f"T={a.temperature} top-k {a.top_k} top-p {a.top_p}\n"
+          f"rollout: {tokens} tokens in {seconds:.2f} s (median of {a.steps}; each: "
+          f"{' '.join(f'{t:.2f}' for t in times[a.warmup:])}): {tokens / seconds:,.1f} tokens/s")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # e. Parity with TRL's loss: the same model, batch, advantages, π_old and π_ref log-probs and settings through
 # train.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through GRPOTrainer.compute_loss (trl 1.16.0);
@@ -792,6 +819,10 @@ def build_parser():
     p.add_argument("--steps", type=int, default=None, help="timed steps per run, after --warmup; default per config")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run")
     p.add_argument("--rounds", type=int, default=3, help="--vs-trl: A B pairs")
+    p.add_argument("--rollout", default=None, metavar="MODEL",
+                   help="d. completion tokens/s of one rollout of a real model (a local directory or hub id): the "
+                        "first --batch-size GSM8K test questions x G, --max-new-tokens each (EOS suppressed), as "
+                        "train.py samples them (--threads, default here 2)")
     p.add_argument("--real-length", action="store_true",
                    help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
                         "0, the same for both trainers) instead of all running to max_new")
@@ -825,6 +856,8 @@ def main():
 
     if a.parity:
         return bench_parity(a)
+    if a.rollout:
+        return bench_rollout(a)
     if not (a.logprobs or a.step or a.vs_trl):
         a.logprobs = a.step = True
     rows = []

@@ -386,9 +386,9 @@ def concat_rollouts(parts):
 # Log-probs: log π(o_t | q, o_<t) of the sampled tokens, without [N, C, V] logits for Llama-style heads.
 
 
-def _chosen_logprobs(logits, targets, temperature, chunk_size):
+def _chosen_logprobs(logits, targets, temperature, chunk_size, with_entropy=True):
     """(log softmax(logits / temperature)[target], entropy of that softmax) for logits [M, V], targets [M], chunk_size
-    rows at a time: [M] each, the entropy without grad.
+    rows at a time: [M] each, the entropy without grad (zeros, not computed, when with_entropy is False).
 
     The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
     fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
@@ -403,11 +403,13 @@ def _chosen_logprobs(logits, targets, temperature, chunk_size):
         args = (logits[s:s + chunk_size], targets[s:s + chunk_size])
         out.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute
                    else chunk_logprobs(*args))
-        with torch.no_grad():
-            entropy.append(_entropy(args[0].float() / temperature))
+        if with_entropy:
+            with torch.no_grad():
+                entropy.append(_entropy(args[0].float() / temperature))
     if not out:
         return (logits.new_zeros(0, dtype=torch.float32),) * 2
-    return torch.cat(out), torch.cat(entropy)
+    out = torch.cat(out)
+    return out, torch.cat(entropy) if with_entropy else torch.zeros_like(out, requires_grad=False)
 
 
 def _entropy(logits, lse=None):
@@ -424,18 +426,19 @@ class _LinearLogprobs(torch.autograd.Function):
     backward alike, so backward recomputes exactly the logits forward saw."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy=True):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        lse, entropy = torch.empty_like(out), torch.empty_like(out)
+        lse, entropy = torch.empty_like(out), torch.zeros_like(out)
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             for s in range(0, h.shape[0], chunk_size):
                 logits = (h[s:s + chunk_size] @ w.T).float() / temperature       # [chunk, V]
                 lse[s:s + chunk_size] = torch.logsumexp(logits, dim=-1)
                 out[s:s + chunk_size] = logits.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)
-                entropy[s:s + chunk_size] = _entropy(logits, lse[s:s + chunk_size])
+                if with_entropy:  # not for π_ref's pass, where nothing reads it
+                    entropy[s:s + chunk_size] = _entropy(logits, lse[s:s + chunk_size])
         # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
         # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
         last = logits if h.shape[0] else None
@@ -465,7 +468,7 @@ class _LinearLogprobs(torch.autograd.Function):
                     grad_weight += (grad_logits.T @ h[s:s + size]).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 # Architectures whose logits are exactly lm_head(final hidden state): no soft-capping, no logit scaling, no bias.
@@ -505,14 +508,15 @@ def _features(model, input_ids, attention_mask, position_ids, num_positions, use
     return features, head, getattr(out, "past_key_values", None)
 
 
-def _logprobs(features, head, targets, temperature, chunk_size):
-    """([N, k] log-probs of targets [N, k], [N, k] entropies) from _features' output."""
+def _logprobs(features, head, targets, temperature, chunk_size, with_entropy):
+    """([N, k] log-probs of targets [N, k], [N, k] entropies (zeros unless with_entropy)) from _features' output."""
     n, k = targets.shape
     flat = features.reshape(n * k, features.shape[-1])
     if head is not None:
-        logps, entropy = _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size)
+        logps, entropy = _LinearLogprobs.apply(flat, head.weight, targets.reshape(-1), temperature, chunk_size,
+                                               with_entropy)
     else:
-        logps, entropy = _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size)
+        logps, entropy = _chosen_logprobs(flat, targets.reshape(-1), temperature, chunk_size, with_entropy)
     return logps.view(n, k), entropy.view(n, k)
 
 
@@ -546,17 +550,17 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
                                        position_ids[::group_size, :p], 1, use_cache=True)
         if cache is not None and hasattr(cache, "batch_repeat_interleave"):
             first = _logprobs(first.repeat_interleave(group_size, dim=0), head, targets[:, :1],
-                              temperature, chunk_size)                        # [N, 1] each
+                              temperature, chunk_size, entropy)               # [N, 1] each
             if c == 1:
                 return first if entropy else first[0]
             cache.batch_repeat_interleave(group_size)                        # [B, ...] -> [B*G, ...]
             # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and each other.
             rest, head, _ = _features(model, input_ids[:, p:-1], attention_mask[:, :-1], position_ids[:, p:-1],
                                       c - 1, use_cache=True, past_key_values=cache)
-            rest = _logprobs(rest, head, targets[:, 1:], temperature, chunk_size)
+            rest = _logprobs(rest, head, targets[:, 1:], temperature, chunk_size, entropy)
             logps, entropies = (torch.cat(pair, dim=1) for pair in zip(first, rest))
             return (logps, entropies) if entropy else logps
     # Plain path: positions P-1 .. P+C-2 predict the C completion tokens.
     features, head, _ = _features(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids[:, :-1], c)
-    logps, entropies = _logprobs(features, head, targets, temperature, chunk_size)
+    logps, entropies = _logprobs(features, head, targets, temperature, chunk_size, entropy)
     return (logps, entropies) if entropy else logps
