@@ -4,6 +4,8 @@
     python bench.py --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
     python bench.py --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
     BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --vs-trl --config tiny   # c. the same step in TRL
+    ... --vs-trl --config 100m --rounds 5 --real-length   # completions end at lengths uniform in [max_new/8, max_new]
+    python bench.py --rollout /path/to/model --batch-size 2 --max-new-tokens 200   # d. tokens/s of a real rollout
     BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --parity   # e. our loss and gradients = TRL's, 57 cases
 
 --vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned versions, in a venv:
@@ -132,13 +134,14 @@ def forced_lengths(a):
     """[steps, B*G] completion lengths, EOS included, the same for both trainers: with --real-length, drawn uniformly
     from [max_new/8, max_new] (seed 0), as real completions vary; else max_new + 1 (EOS never comes: every completion
     is exactly max_new tokens, cut off by the budget). Row i of step s ends with EOS as its lengths[s, i]-th token."""
-    n, C = a.warmup + a.steps, a.max_new_tokens
+    n, rows, C = a.warmup + a.steps, a.batch_size * a.num_generations, a.max_new_tokens
     if not a.real_length:
-        return torch.full((n, a.batch_size * a.num_generations), C + 1)
-    return torch.randint(C // 8, C + 1, (n, a.batch_size * a.num_generations), generator=torch.Generator().manual_seed(0))
+        return torch.full((n, rows), C + 1)
+    return torch.randint(C // 8, C + 1, (n, rows), generator=torch.Generator().manual_seed(0))
 
 
 def expected_lengths(lengths, max_new):
+    """The completion lengths forced lengths make: one over max_new is cut off at max_new, without EOS."""
     return lengths.clamp(max=max_new).tolist()
 
 
@@ -480,8 +483,10 @@ def bench_rollout(a):
     torch.set_num_threads(a.threads if a.threads != 1 else 2)  # --threads defaults to 1 for the trainer comparisons
     model = AutoModelForCausalLM.from_pretrained(a.rollout, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(a.rollout))
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl")) as f:
-        prompts = [data.build_prompt(tokenizer, json.loads(line)["question"]) for line in itertools.islice(f, a.batch_size)]
+    gsm8k = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl")
+    with open(gsm8k) as f:
+        questions = [json.loads(line)["question"] for line in itertools.islice(f, a.batch_size)]
+    prompts = [data.build_prompt(tokenizer, q) for q in questions]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
     torch.manual_seed(0)
