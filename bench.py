@@ -248,6 +248,9 @@ def worker_ours(a):
     start = checksum(model)
     model.to(DEVICE)
     ref_model = checkpoint.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
+    if a.compile:  # as checkpoint.start does for --compile
+        for m in [model] + ([ref_model] if ref_model is not None else []):
+            sampling.compile_model(m, a.compile)
     model.train()
     optimizer = checkpoint.build_optimizer(model, a.lr, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
@@ -392,7 +395,8 @@ def run_worker(a, name, *extra):
              "--num-iterations", a.num_iterations, "--batch-size", a.batch_size, "--prompt-len", a.prompt_len,
              "--max-new-tokens", a.max_new_tokens, "--steps", a.steps, "--warmup", a.warmup, "--lr", a.lr,
              "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--dtype", a.dtype,
-             "--threads", a.threads, *["--real-length"] * a.real_length, *extra]
+             "--threads", a.threads, *["--real-length"] * a.real_length,
+             *(["--compile", a.compile] if a.compile else []), *extra]
     python = os.environ.get("BENCH_PYTHON", sys.executable) if name in ("trl", "parity") else sys.executable
     proc = subprocess.run([python, os.path.abspath(__file__), *map(str, flags)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -445,6 +449,8 @@ def bench_step(a, rows):
         rate = f", {r['tokens'] / s:,.0f} tok/s" if name in ("generate", "step") else ""
         label = f"total (first step {r['first']:.1f} s)" if name == "step" else name
         rows.append((f"{tag}: {label}", f"{s:.3f} s", f"+{mib(extra)}", f"{cpu:.3f} s{rate}"))
+    rows.append((f"{tag}: generate per new token", f"{phases['generate'][0] / a.max_new_tokens * 1e3:.2f} ms", "",
+                 "prefill included"))
     rows.append((f"{tag}: peak resident memory", "", mib(r["peak_bytes"]), ""))
 
 
@@ -828,6 +834,9 @@ def build_parser():
                    help="d. completion tokens/s of one rollout of a real model (a local directory or hub id): the "
                         "first --batch-size GSM8K test questions x G, --max-new-tokens each (EOS suppressed), as "
                         "train.py samples them (--threads, default here 2)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="--step, --vs-trl: our side as train.py --compile runs it (torch.compile'd decode step and "
+                        "log-prob forwards)")
     p.add_argument("--real-length", action="store_true",
                    help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
                         "0, the same for both trainers) instead of all running to max_new")
