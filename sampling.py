@@ -235,7 +235,8 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
     return out
 
 
-# torch.compile'd callables per model (compile_model): id(model) -> {"decode": step, "body": forward, "caches": {}}
+# torch.compile'd callables per model (compile_model): id(model) -> {"decode": step, "body": forward, "caches": {}}.
+# Each entry holds its model (through the callables), so an id here is never reused by another model.
 COMPILED = {}
 
 
