@@ -497,7 +497,7 @@ def bench_rollout(a):
     lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
     torch.manual_seed(0)
     times = []
-    for i in range(a.warmup + a.steps):
+    for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
         rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, a.num_generations, lengths=lengths)
         times.append(time.perf_counter() - t0)
