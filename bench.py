@@ -313,8 +313,9 @@ def worker_trl(a):
     if generated != [x for row in lengths for x in expected_lengths(row, a.max_new_tokens)]:
         raise RuntimeError(f"TRL's completion lengths {generated} are not the forced ones {lengths.tolist()}")
     steps = trl_steps(times, record, n, a.num_iterations)
-    return dict(checksum=start, same_ref=same_ref, tokens=statistics.median(lengths[a.warmup:].clamp(
-        max=a.max_new_tokens).sum(1).tolist()), first=steps[0]["step"][0], steps=steps[a.warmup:], peak_bytes=peak)
+    tokens = statistics.median(sum(expected_lengths(row, a.max_new_tokens)) for row in lengths[a.warmup:])
+    return dict(checksum=start, same_ref=same_ref, tokens=tokens, first=steps[0]["step"][0], steps=steps[a.warmup:],
+                peak_bytes=peak)
 
 
 def trl_reward(fn):
@@ -490,9 +491,7 @@ def bench_rollout(a):
     model = AutoModelForCausalLM.from_pretrained(a.rollout, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(a.rollout))
     gsm8k = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl")
-    with open(gsm8k) as f:
-        questions = [json.loads(line)["question"] for line in itertools.islice(f, a.batch_size)]
-    prompts = [data.build_prompt(tokenizer, q) for q in questions]
+    prompts = [data.build_prompt(tokenizer, row["question"]) for row in data.load_gsm8k(path=gsm8k)[:a.batch_size]]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
     torch.manual_seed(0)
