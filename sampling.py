@@ -6,9 +6,11 @@ grpo.py is the math and never sees a model; this file turns a model into what th
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
 """
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -66,6 +68,12 @@ def autocast(device, dtype):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def compute_dtype(device):
+    """The autocast dtype in force for this device's type (bf16, fp16), or None outside autocast."""
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def prepare_tokenizer(tokenizer):
@@ -235,9 +243,111 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
     return out
 
 
-# torch.compile'd callables per model (compile_model): id(model) -> {"decode": step, "body": forward, "caches": {}}.
-# Each entry holds its model (through the callables), so an id here is never reused by another model.
+class KVCache(StaticCache):
+    """transformers' StaticCache (preallocated, written in place), its keys and values held in `dtype`, the compute
+    dtype under autocast. With fp32 weights under autocast the rotary embedding leaves the keys in fp32 while v_proj
+    gives bf16 values, and a StaticCache holds one dtype for both. Attention, an autocast op, reads both in the compute
+    dtype anyway: storing them in it loses nothing and halves the cache. dtype None: as they come (fp32)."""
+
+    def __init__(self, config, max_cache_len, dtype=None):
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.compute_dtype = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.compute_dtype is not None:
+            key_states = key_states.to(self.compute_dtype)
+            value_states = value_states.to(self.compute_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+# --compile's state per model (compile_model): id(model) -> Compiled. Each entry holds its model (through the
+# callables), so an id here is never reused by another model.
 COMPILED = {}
+
+
+@dataclass
+class Compiled:
+    """What torch.compile made of one model, and the decode shapes it may meet.
+
+    The decode step is compiled for fixed shapes, one graph per (rows, cache length): `rows` and `length` are the
+    planned ones (plan_decode), to which every call is padded, so a run compiles and keeps at most len(rows) graphs
+    and KV caches. A call that fits no planned shape gets its own (rounded up: rows as they are, length to a
+    multiple of 64), with a warning."""
+    backend: object
+    mode: str | None
+    body: object                                 # the compiled forward of the log-prob passes (dynamic shapes)
+    rows: tuple = ()                             # planned row counts of a decode call, ascending
+    length: int | None = None                    # planned cache length: longest prompt + max_new_tokens
+    steps: dict = dataclasses.field(default_factory=dict)   # compute dtype -> (twin, compiled decode step)
+    caches: dict = dataclasses.field(default_factory=dict)  # (rows, length) -> KVCache, written in place
+
+    def shape(self, n, needed):
+        """The (rows, cache length) a decode call of n rows needing `needed` positions runs at."""
+        rows = next((r for r in self.rows if r >= n), n)
+        length = self.length if self.length is not None and needed <= self.length else -(-needed // 64) * 64
+        planned = rows in self.rows and length == self.length
+        if self.rows and not planned and (rows, length) not in self.caches:
+            print(f"warning: --compile: a decode call of {n} rows x {needed} positions fits none of the planned "
+                  f"shapes ({list(self.rows)} rows x {self.length}); compiling one more", file=sys.stderr, flush=True)
+        return rows, length
+
+
+def compile_model(model, backend="inductor"):
+    """--compile: torch.compile the forward of the log-prob passes (dynamic shapes) now, and the decode step (fixed
+    shapes against a static cache; CUDA graphs on a GPU, mode "reduce-overhead") at its first call. Weights and
+    state dict untouched."""
+    mode = "reduce-overhead" if next(model.parameters()).is_cuda and backend == "inductor" else None
+    body = model.model if _plain_linear_head(model) is not None else model
+    COMPILED[id(model)] = Compiled(backend, mode, torch.compile(body, backend=backend, dynamic=True))
+    return model
+
+
+def plan_decode(model, rows, length):
+    """The decode shapes a compiled model will meet: each call's rows are padded up to the smallest of `rows` that
+    holds them, and its cache is `length` positions long (the longest prompt + max_new_tokens). Nothing when the
+    model is not compiled."""
+    compiled = COMPILED.get(id(model))
+    if compiled is not None:
+        compiled.rows, compiled.length = tuple(sorted(set(rows))), length
+
+
+def decode_twin(model, dtype):
+    """The model for a compiled decode under autocast: every Linear's weight (and bias) held in the compute dtype,
+    what autocast casts it to at every use, so the captured step reads it as it is instead of casting each fp32
+    weight again at every token. Every other tensor (embeddings, norms, buffers) is the model's own, shared, not
+    copied, so the twin computes exactly what the model computes under autocast. Costs 2 bytes per Linear parameter
+    (a tied lm-head gets its own). Returns (twin, [(twin's tensor, model's)]) for refresh_twin."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    twin = copy.deepcopy(model, shared)  # the modules anew; every parameter and buffer is the model's own
+    pairs = []
+    for mine, theirs in zip(twin.modules(), model.modules()):
+        if isinstance(theirs, torch.nn.Linear):
+            for name, p in list(theirs.named_parameters(recurse=False)):
+                low = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                setattr(mine, name, low)
+                pairs.append((low, p))
+    return twin.eval(), pairs
+
+
+@torch.no_grad()
+def refresh_twin(pairs):
+    """Copy the model's current Linear weights into its decode twin, in place (the captured graphs read them at the
+    same addresses): one read of the fp32 weights per decode call."""
+    for low, p in pairs:
+        low.copy_(p)
+
+
+def compiled_decoder(model, dtype):
+    """(the model decode runs, its compiled step) for a compiled model: the twin under autocast, else the model."""
+    compiled = COMPILED[id(model)]
+    if dtype not in compiled.steps:
+        twin, pairs = decode_twin(model, dtype) if dtype is not None else (model, [])
+        step = torch.compile(functools.partial(_decode_step, twin), backend=compiled.backend, mode=compiled.mode,
+                             dynamic=False)
+        compiled.steps[dtype] = (twin, pairs, step)
+    twin, pairs, step = compiled.steps[dtype]
+    refresh_twin(pairs)
+    return twin, step
 
 
 def _decode_step(model, token, mask, position, cache):
@@ -247,13 +357,13 @@ def _decode_step(model, token, mask, position, cache):
 
 
 def _grouped_cache(model, prefill, group, reuse):
-    """The B prompts' prefilled cache, repeated to their B*G rows (group: each row's prompt). reuse (compiled): written
-    in place into one cache kept per shape, so CUDA graphs find it at the same addresses at every call."""
+    """The B prompts' prefilled cache, repeated to their rows (group: each row's prompt). reuse (compiled): written in
+    place into the one cache kept for this shape, so CUDA graphs find it at the same addresses at every call."""
     if reuse is None:
         prefill.reorder_cache(group)
         return prefill
     length = prefill.layers[0].max_cache_len
-    cache = reuse.setdefault((len(group), length), StaticCache(config=model.config, max_cache_len=length))
+    cache = reuse.setdefault((len(group), length), KVCache(model.config, length, prefill.compute_dtype))
     for layer, prompt in zip(cache.layers, prefill.layers):
         keys, values = prompt.keys[group], prompt.values[group]
         if not layer.is_initialized:
@@ -268,39 +378,47 @@ def _grouped_cache(model, prefill, group, reuse):
 def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
     """The lean decode path, a short loop over the model's forward in place of generate(): ([B*G, C] completions,
     pad after EOS, C <= max_new_tokens the longest; [B*G, C] the log-prob each token was drawn with, 0 after EOS).
-      - the KV cache is preallocated (transformers' StaticCache) and written in place, never grown by concatenation;
+      - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never grown by
+        concatenation;
       - each prompt is prefilled once, and its cache copied to its G rows;
       - tokens are drawn among the top-k / top-p survivors only (sample_tokens);
       - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished rows cost nothing.
-        Compiled (compile_model), shapes stay fixed instead: finished rows run on, writing pad, until all are done.
+        Compiled (compile_model), shapes stay fixed instead: the rows are padded to a planned count (plan_decode),
+        and finished rows run on, writing pad, until all are done.
     lengths: bench.py's forced completion lengths, [B*G]: row i's EOS is its lengths[i]-th token and never comes
     earlier (a length over max_new_tokens: no EOS at all). None in training."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
-    compiled = COMPILED.get(id(model))
-    step = functools.partial(_decode_step, model) if compiled is None else compiled["decode"]
-    L = P + C if compiled is None else -(-(P + C) // 64) * 64   # compiled: cache lengths in steps of 64, few shapes
+    n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
+    if compiled is None:
+        net, step, R, L = model, functools.partial(_decode_step, model), n, P + C
+    else:
+        net, step = compiled_decoder(model, dtype)
+        R, L = compiled.shape(n, P + C)                                            # R >= n rows, L >= P + C
     # Every completion column is 1 from the start: causal masking hides the positions not yet written.
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, C), prompt_mask.new_zeros(B, L - P - C)], dim=1)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)                     # [B, P], as generate() has them
-    prefill = StaticCache(config=model.config, max_cache_len=L)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    logits = model(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=prefill,
-                   use_cache=True, **keep).logits[:, -1]                              # [B, V]: each prompt once
+    prefill = KVCache(model.config, L, dtype)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(net.forward).parameters else {}
+    logits = net(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=prefill,
+                 use_cache=True, **keep).logits[:, -1]                                # [B, V]: each prompt once
     group = torch.arange(B, device=device).repeat_interleave(G)                       # [B*G]: each row's prompt
-    cache = _grouped_cache(model, prefill, group, None if compiled is None else compiled["caches"])
+    group = torch.cat([group, group.new_zeros(R - n)])                                # [R]: padding rows copy row 0
+    cache = _grouped_cache(net, prefill, group, None if compiled is None else compiled.caches)
     logits, mask, position = logits[group], mask[group], positions[group, -1:] + 1
-    completions = torch.full((B * G, C), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(B * G, C, device=device)
-    rows = torch.arange(B * G, device=device)                                        # the rows still in the batch
-    done = torch.zeros(B * G, dtype=torch.bool, device=device)                       # compiled: rows past their EOS
+    completions = torch.full((R, C), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(R, C, device=device)
+    rows = torch.arange(R, device=device)                                            # the rows still in the batch
+    done = torch.arange(R, device=device) >= n                      # compiled: rows past their EOS (padding: all)
     eos = torch.tensor(eos_ids, device=device)
     for t in range(C):
         if lengths is not None:                                                      # bench.py: EOS where it says
             logits[:, eos] = float("-inf")
-        # Uniforms for every row, used by the rows still in: compiled or not, a run draws the same samples.
-        token, logp = sample_tokens(logits, settings, torch.rand(B * G, 1, device=device)[rows])
+        # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the same samples.
+        uniforms = torch.cat([torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)])
+        token, logp = sample_tokens(logits, settings, uniforms[rows])
         if lengths is not None:
-            token = torch.where(lengths[rows] == t + 1, eos[0], token)
+            forced = torch.cat([lengths, lengths.new_zeros(R - n)])
+            token = torch.where(forced[rows] == t + 1, eos[0], token)
         completions[rows, t] = token.masked_fill(done, pad_id)
         logps[rows, t] = logp.masked_fill(done, 0.0)
         ended = torch.isin(token, eos)
@@ -314,18 +432,7 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
             break
         logits = step(token[:, None], mask, position, cache)
         position = position + 1
-    return completions[:, :t + 1], logps[:, :t + 1]
-
-
-def compile_model(model, backend="inductor"):
-    """--compile: torch.compile the decode step (fixed shapes against a static cache; CUDA graphs on a GPU, mode
-    "reduce-overhead") and the forward of the log-prob passes (dynamic shapes). Weights and state dict untouched."""
-    mode = "reduce-overhead" if next(model.parameters()).is_cuda and backend == "inductor" else None
-    body = model.model if _plain_linear_head(model) is not None else model
-    COMPILED[id(model)] = dict(
-        decode=torch.compile(functools.partial(_decode_step, model), backend=backend, mode=mode, dynamic=False),
-        body=torch.compile(body, backend=backend, dynamic=True), caches={})
-    return model
+    return completions[:n, :t + 1], logps[:n, :t + 1]
 
 
 def decode_completions(tokenizer, completion_ids, mask):
@@ -499,7 +606,7 @@ def _features(model, input_ids, attention_mask, position_ids, num_positions, use
     head = _plain_linear_head(model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   past_key_values=past_key_values, use_cache=use_cache)
-    compiled = COMPILED.get(id(model), {}).get("body")                    # --compile: the same forward, compiled
+    compiled = getattr(COMPILED.get(id(model)), "body", None)             # --compile: the same forward, compiled
     if head is not None:
         out = (model.model if compiled is None else compiled)(**kwargs)
         features = out.last_hidden_state[:, out.last_hidden_state.shape[1] - num_positions:]
