@@ -767,33 +767,70 @@ def activation_bytes_per_token_layer(name, amp):
     return (per_layers[2] - per_layers[1]) / 128
 
 
-def memory_table(a):
-    """The device memory of a train.py run of this config, part by part, in GB (1e9 bytes): fp32 weights, gradients
-    and AdamW moments; the reference model in the compute dtype; autocast's compute-dtype copy of the weights during
-    forward/backward; the KV cache of one step's generate; the activations of one micro-batch (G completions)."""
+def memory_phases(a):
+    """What a train.py run of this config holds on the device in each phase, part by part (bytes), computed from the
+    architecture: {phase: [(part, bytes)]}. The phases are the loop's (generate, reference log-probs, policy
+    forward + backward, optimizer) and the evaluation's. What each phase holds:
+      - always: the fp32 weights, AdamW's two fp32 moments, the reference in the compute dtype (β > 0) and, with
+        --compile under autocast, the decode twin (every Linear weight in the compute dtype);
+      - generate and evaluation: the KV cache (rows x (prompt + new tokens), keys and values in the compute dtype)
+        and, eager, autocast's compute-dtype copy of every Linear weight, cached for the whole decode;
+      - reference log-probs: the prompt's KV cache repeated to the micro-batch's G rows, and the chunked lm-head's
+        fp32 logits;
+      - policy forward + backward: the fp32 gradients, autocast's copy of the weights, the micro-batch's activations
+        and the chunked lm-head's working set;
+      - optimizer: the gradients (freed right after the step: no generation holds them)."""
     c, amp = CONFIGS[a.config], sampling.AMP[a.dtype]
     width = 2 if amp is not None else 4
-    n = sum(p.numel() for p in build_model_meta(a.config).parameters())
-    L, h = c["num_hidden_layers"], c["hidden_size"]
-    kv_width = c["num_key_value_heads"] * h // c["num_attention_heads"]
-    seq, rows, micro = a.prompt_len + a.max_new_tokens, a.batch_size * a.accumulation * a.num_generations, \
-        a.batch_size * a.num_generations
+    model = build_model_meta(a.config)
+    n = sum(p.numel() for p in model.parameters())
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    L, h, V = c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]
+    kv_per_token = L * 2 * c["num_key_value_heads"] * (h // c["num_attention_heads"]) * width  # keys + values
+    seq = a.prompt_len + a.max_new_tokens
+    rows, micro = a.batch_size * a.accumulation * a.num_generations, a.batch_size * a.num_generations
+    eval_rows = a.eval_batch_size * a.eval_samples
+    copy_bytes = width * linear if amp is not None else 0  # autocast's cast of each Linear weight, or the twin
     act = activation_bytes_per_token_layer(a.config, amp)
-    layer_input = 4 * h  # what checkpointing keeps per layer and token: the fp32 residual stream
-    activations = micro * seq * ((L * layer_input + act) if a.gradient_checkpointing else L * act)
-    parts = [("weights, fp32", 4 * n), ("gradients, fp32", 4 * n), ("AdamW moments, fp32", 8 * n),
-             (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
-             (f"autocast copy of the weights, {a.dtype}", width * n if amp is not None else 0),
-             (f"KV cache: {rows} rows x {seq} tokens", rows * seq * L * 2 * kv_width * width),
-             (f"activations: {micro} rows x {seq} tokens" + (", checkpointed" if a.gradient_checkpointing else ""),
-              activations)]
-    static = sum(b for _, b in parts[:4])
-    print(f"{a.config}: {n:,} parameters; {act / 1e3:.1f} kB of activations per token and layer ({a.dtype})")
-    for name, b in parts:
-        print(f"  {name:<52}{b / 1e9:>8.2f} GB")
-    print(f"  {'peak while generating (static + KV cache)':<52}{(static + parts[5][1]) / 1e9:>8.2f} GB")
-    print(f"  {'peak in forward/backward (static + copy + activations)':<52}"
-          f"{(static + parts[4][1] + activations) / 1e9:>8.2f} GB")
+    checkpointed = micro * seq * (L * 4 * h + act)  # the fp32 residual stream per layer, then one layer recomputed
+    chunk = min(1024, micro * a.max_new_tokens)  # rows of the chunked lm-head at a time: [chunk, V] fp32 logits
+    static = [("weights, fp32", 4 * n), ("AdamW moments, fp32", 8 * n),
+              (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
+              ("decode twin (--compile)", copy_bytes if a.compile else 0)]
+    decode_copy = ("" if a.compile else f"autocast copy of the Linear weights, {a.dtype}", 0 if a.compile else
+                   copy_bytes)
+    return {
+        "generate": static + [decode_copy, (f"KV cache: {rows} rows x {seq} tokens", rows * seq * kv_per_token)],
+        "reference log-probs": static + [
+            (f"prompt KV cache x G: {micro} rows x {a.prompt_len}", micro * a.prompt_len * kv_per_token),
+            (f"lm-head: {chunk} x {V} fp32 logits, twice", 2 * 4 * chunk * V)],
+        "policy forward + backward": static + [
+            ("gradients, fp32", 4 * n), (f"autocast copy of the weights, {a.dtype}", copy_bytes),
+            (f"activations: {micro} rows x {seq} tokens" + (", checkpointed" if a.gradient_checkpointing else ""),
+             checkpointed if a.gradient_checkpointing else micro * seq * L * act),
+            (f"lm-head: {chunk} x {V} fp32 logits, three", 3 * 4 * chunk * V + width * V * h)],
+        "optimizer": static + [("gradients, fp32", 4 * n)],
+        "evaluation": static + [decode_copy, (f"KV cache: {eval_rows} rows x {seq} tokens",
+                                              eval_rows * seq * kv_per_token)],
+    }
+
+
+def memory_table(a):
+    """The device memory of a train.py run of this config, phase by phase (memory_phases), in GB (1e9 bytes)."""
+    phases = memory_phases(a)
+    n = sum(p.numel() for p in build_model_meta(a.config).parameters())
+    print(f"{a.config}: {n:,} parameters, {a.dtype}; {a.batch_size * a.accumulation} prompts x G="
+          f"{a.num_generations} per step, {a.prompt_len} + {a.max_new_tokens} tokens; evaluation "
+          f"{a.eval_batch_size} questions x {a.eval_samples}" + (", --compile" if a.compile else ""))
+    seen = set()
+    for name, parts in phases.items():
+        print(f"  {name}: peak {sum(b for _, b in parts) / 1e9:.2f} GB")
+        for part, b in parts:
+            if b and (part, b) not in seen:
+                print(f"    {part:<54}{b / 1e9:>8.2f} GB")
+            seen.add((part, b))
+    peak = max(sum(b for _, b in parts) for parts in phases.values())
+    print(f"  peak of the run: {peak / 1e9:.2f} GB: " + ("fits" if peak < 40e9 else "does not fit") + " a 40 GB card")
 
 
 def build_model_meta(name):
@@ -814,6 +851,8 @@ def build_parser():
                    help="d. the memory a training run needs, computed from the config (no run): prints and exits")
     p.add_argument("--accumulation", type=int, default=4, help="--memory: prompts generated per step / batch-size")
     p.add_argument("--gradient-checkpointing", action="store_true", help="--memory: with gradient checkpointing")
+    p.add_argument("--eval-batch-size", type=int, default=8, help="--memory: questions per evaluation batch")
+    p.add_argument("--eval-samples", type=int, default=8, help="--memory: completions per evaluation question")
     p.add_argument("--config", default="tiny", choices=list(CONFIGS))
     p.add_argument("--num-generations", type=int, default=8, help="G")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per step (B); B*G completions")

@@ -216,13 +216,17 @@ def check_same_flags(saved, args):
 def reference_model(model, beta, dtype, device, copy_model=True):
     """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL term, no reference
     model at all). copy_model=False freezes `model` itself (on --resume the policy is loaded from the checkpoint).
-    Stored in the autocast dtype, if any: it is never trained. Cast before the move: no fp32 copy on the device."""
+    Its parameters are stored in the autocast dtype, if any: it is never trained. Its buffers (the rotary
+    embedding's inverse frequencies) stay fp32, as the policy's do: in bf16 they would turn every position's
+    rotation angle by up to 0.4% and raise the KL floor between identical models. Cast before the move: no fp32
+    copy on the device."""
     if beta == 0:
         return None
     ref = copy.deepcopy(model) if copy_model else model
     ref.requires_grad_(False).eval()
     if dtype is not None:
-        ref.to(dtype)
+        for p in ref.parameters():
+            p.data = p.data.to(dtype)
     return ref.to(device)
 
 
@@ -298,7 +302,7 @@ def rng_state():
                  numpy={k: v.tolist() if isinstance(v, np.ndarray) else v
                         for k, v in zip(("kind", "keys", "pos", "has_gauss", "cached"), np.random.get_state())})
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's device's (the one it samples on)
     return state
 
 
@@ -308,7 +312,13 @@ def set_rng_state(state):
     n = state["numpy"]
     np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # This process's device's state. Checkpoints written before saved every visible GPU's (a list): the one of
+        # the device this process runs on, if that machine had it, else the first. A run saved on a GPU resumes on
+        # another machine, another GPU count, or the CPU (--device may change on resume).
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)
 
 
 def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True, weights=None):
@@ -381,4 +391,6 @@ def find(output_dir):
 
 def load_state(path):
     """training_state.pt of a checkpoint directory (the weights are loaded with from_pretrained)."""
-    return torch.load(os.path.join(path, "training_state.pt"), weights_only=True)  # tensors and plain data only
+    # Onto the CPU: under torchrun every rank would otherwise load rank 0's AdamW moments onto rank 0's GPU.
+    # optimizer.load_state_dict then moves each state to its parameter's device.
+    return torch.load(os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=True)

@@ -337,7 +337,9 @@ def from_flags(args, defaults, fields=()):
                         "and reward model may be given once, and their names must differ.")
     for name, fn in named:
         check_signature(name, fn, fields)
-    named += [(model_name(path), RewardModel(path, args.device, args.trust_remote_code)) for path in args.reward_model]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)  # the compute dtype
+    named += [(model_name(path), RewardModel(path, args.device, args.trust_remote_code, dtype=dtype))
+              for path in args.reward_model]
     if args.overlong_buffer > 0:
         named.append(("overlong", overlong_reward(args.max_new_tokens, args.overlong_buffer)))
     return weighted(named, weights)
@@ -359,12 +361,11 @@ def model_name(path_or_id):
 class RewardModel:
     """A --reward-model: a sequence classifier with one output (AutoModelForSequenceClassification, num_labels=1)
     whose score for prompt + response is the reward. It runs in batches under no_grad on the training device, in
-    bf16 on CUDA (fp32 on CPU), frozen. Text: the model's chat template over the user prompt and the assistant
+    `dtype` (from_flags: the run's compute dtype, so bf16 on CUDA by default), frozen. Text: the model's chat template over the user prompt and the assistant
     response when its tokenizer has one, else the prompt, a newline and the response. Fits the reward contract."""
 
-    def __init__(self, path_or_id, device="cpu", trust_remote_code=False, batch_size=16):
+    def __init__(self, path_or_id, device="cpu", trust_remote_code=False, batch_size=16, dtype=torch.float32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
             self.model = AutoModelForSequenceClassification.from_pretrained(

@@ -279,14 +279,14 @@ class Compiled:
     rows: tuple = ()                             # planned row counts of a decode call, ascending
     length: int | None = None                    # planned cache length: longest prompt + max_new_tokens
     steps: dict = dataclasses.field(default_factory=dict)   # compute dtype -> (twin, compiled decode step)
-    caches: dict = dataclasses.field(default_factory=dict)  # (rows, length) -> KVCache, written in place
+    caches: dict = dataclasses.field(default_factory=dict)  # (rows, length, dtype) -> KVCache, written in place
 
     def shape(self, n, needed):
         """The (rows, cache length) a decode call of n rows needing `needed` positions runs at."""
         rows = next((r for r in self.rows if r >= n), n)
         length = self.length if self.length is not None and needed <= self.length else -(-needed // 64) * 64
         planned = rows in self.rows and length == self.length
-        if self.rows and not planned and (rows, length) not in self.caches:
+        if self.rows and not planned and not any(key[:2] == (rows, length) for key in self.caches):
             print(f"warning: --compile: a decode call of {n} rows x {needed} positions fits none of the planned "
                   f"shapes ({list(self.rows)} rows x {self.length}); compiling one more", file=sys.stderr, flush=True)
         return rows, length
@@ -363,7 +363,8 @@ def _grouped_cache(model, prefill, group, reuse):
         prefill.reorder_cache(group)
         return prefill
     length = prefill.layers[0].max_cache_len
-    cache = reuse.setdefault((len(group), length), KVCache(model.config, length, prefill.compute_dtype))
+    dtype = prefill.compute_dtype
+    cache = reuse.setdefault((len(group), length, dtype), KVCache(model.config, length, dtype))
     for layer, prompt in zip(cache.layers, prefill.layers):
         keys, values = prompt.keys[group], prompt.values[group]
         if not layer.is_initialized:
@@ -442,14 +443,18 @@ def decode_completions(tokenizer, completion_ids, mask):
                                   skip_special_tokens=True)
 
 
+def prompt_limit(model, settings):
+    """The most tokens a prompt keeps: --max-prompt-length, else the model's context minus max_new_tokens."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    return settings.max_prompt_length or (context - settings.max_new_tokens if context else None)
+
+
 def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, lengths=None):
     """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device. lengths:
     bench.py's forced completion lengths (decode()); None in training."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
-    context = getattr(model.config, "max_position_embeddings", None)
-    limit = settings.max_prompt_length or (context - settings.max_new_tokens if context else None)
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)       # [B, P]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, prompt_limit(model, settings))  # [B, P]
     completion_ids = generate(model, prompt_ids, prompt_mask, settings, group_size, eos, tokenizer.pad_token_id,
                               amp, lengths)                                              # [B*G, C]
     mask = grpo.completion_mask(completion_ids, eos)                                     # [B*G, C]

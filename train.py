@@ -46,6 +46,9 @@ def train(args, task, model, tokenizer, resume_dir=None):
     update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=Objective.of(args),
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler,
                                ddp=run.ddp)
+    if args.compile:  # the compiled decode's shapes, fixed for the run: at most two graphs and two KV caches
+        longest = longest_prompt(task, tokenizer, sampling.prompt_limit(model, settings))
+        sampling.plan_decode(model, rows=decode_rows(args), length=longest + args.max_new_tokens)
     plot.print_header(args, model)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
@@ -97,6 +100,20 @@ def train(args, task, model, tokenizer, resume_dir=None):
 def prompts_per_step(args):
     """A step's prompts over all ranks (under torchrun each takes its share)."""
     return distributed.world() * args.batch_size * args.gradient_accumulation_steps
+
+
+def decode_rows(args):
+    """The rows of this process's generate calls: a training step's (its share of the prompts x G) and an evaluation
+    batch's (questions x samples; a last, smaller batch is padded up to it when compiled)."""
+    return [prompts_per_step(args) // distributed.world() * args.num_generations,
+            args.eval_batch_size * args.eval_samples]
+
+
+def longest_prompt(task, tokenizer, limit):
+    """The most tokens any prompt of the run has, training and held-out rows, at most `limit` (where they are cut)."""
+    prompts = [task.query(tokenizer, row["question"]) for row in task.train + task.eval]
+    longest = max(tokenizer(prompts, add_special_tokens=False, return_length=True)["length"])
+    return longest if limit is None else min(longest, limit)
 
 
 def finish(run, task, args):
@@ -183,6 +200,7 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
             totals[k] += stats[k]
     totals = dict(zip(totals, distributed.all_sum(totals.values())))  # every rank's sums
     grad_norm, skipped = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"])
+    optimizer.zero_grad(set_to_none=True)  # freed now: no generation or evaluation holds the gradients
     tokens = max(totals["tokens"], 1)
     return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
                 ratio=totals["ratio"] / tokens, entropy=totals["entropy"] / tokens, grad_norm=float(grad_norm), lr=lr,
