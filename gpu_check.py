@@ -1,0 +1,520 @@
+"""Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine without network.
+
+    python gpu_check.py --prepare /path/to/SmolLM2-135M-Instruct   # here, once: writes gpu_kit/ (a few MiB)
+    python gpu_check.py --out $OUT/gpu_check.json                  # on the GPU machine, from the checkout root
+    python gpu_check.py --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags go after --
+    python gpu_check.py --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test of this file
+
+The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not depend on the weights,
+and none can be downloaded there) and runs train.py's own loop with its default flags (G = 8, 4 prompts per step,
+300 new tokens, beta = 0.04, bf16 autocast over fp32 master weights) for 3 steps, with an evaluation on 16 questions
+before and after, on real GSM8K prompts. It reports seconds and peak memory per phase, whether the run fits a 40 GB
+card, and decode ms/token at 32 rows, eager and compiled, against the memory-bandwidth floor; --out FILE saves it as
+JSON. Exit code 1 if the run or the decode timing failed.
+
+gpu_kit/ (git-ignored) travels with the checkout: SmolLM2's tokenizer (the same for every size) and the first 64
+train / 32 test rows of GSM8K. The run reads --data gpu_kit/gsm8k/train.jsonl; test.jsonl beside it is the eval set.
+"""
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass
+from unittest import mock
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: never wait for the hub
+
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+import bench
+import checkpoint
+import config
+import data
+import demo
+import sampling
+import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KIT_ROWS = {"train": 64, "test": 32}
+GIB = 2 ** 30
+# What nvidia-smi reports as the total memory of an A100 40GB and an H100 80GB, and a CUDA context's share of it
+# (outside torch's allocator, so not in max_memory_reserved).
+CARDS = {"40 GB": 40536 * 2 ** 20, "80 GB": 81559 * 2 ** 20}
+CUDA_CONTEXT = 600 * 2 ** 20
+# The timed phases: (module, attribute) -> phase name. The loop looks each up at call time (train.policy_update once,
+# when train.train binds it with functools.partial: so the patches go in before train.train is called).
+PHASES = {(sampling, "sample_rollouts"): "generate", (train, "frozen_logps"): "reference",
+          (train, "policy_update"): "forward_backward", (train, "optimizer_step"): "optimizer",
+          (train, "evaluate"): "evaluation", (checkpoint, "save_run"): "checkpoint"}
+AFTER_LOG_STEP = {"evaluation", "checkpoint"}  # phases that run after the step's log line, not before it
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The kit: what the GPU machine needs from outside the checkout.
+
+
+def prepare_kit(smollm2_dir, gsm8k_dir, kit):
+    """Write KIT/tokenizer (SmolLM2's) and KIT/gsm8k/{train,test}.jsonl (GSM8K's first rows). Returns its bytes."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    if getattr(tokenizer, "chat_template", None) is None:
+        print(f"warning: the tokenizer in {smollm2_dir} has no chat template: prompts will be plain text",
+              file=sys.stderr)
+    for part in ("tokenizer", "gsm8k"):
+        shutil.rmtree(os.path.join(kit, part), ignore_errors=True)
+    tokenizer.save_pretrained(os.path.join(kit, "tokenizer"))
+    for split, n in KIT_ROWS.items():
+        dst = os.path.join(kit, "gsm8k", f"{split}.jsonl")
+        copied = copy_lines(os.path.join(gsm8k_dir, f"{split}.jsonl"), dst, n)
+        data.load_gsm8k(path=dst)  # the rows must read as GSM8K: fail here, not on the GPU machine
+        print(f"{dst}: {copied} rows")
+    size = tree_bytes(kit)
+    print(f"kit {kit}: {size / 2 ** 20:.2f} MiB (a checkout carries at most 64 MiB of ignored files)")
+    return size
+
+
+def copy_lines(src, dst, n):
+    """The first n non-blank lines of src into dst, byte for byte. Returns how many were copied."""
+    with open(src, "rb") as f:
+        lines = [line for line in f if line.strip()][:n]
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(dst, "wb") as f:
+        f.writelines(line if line.endswith(b"\n") else line + b"\n" for line in lines)
+    return len(lines)
+
+
+def tree_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def load_kit_tokenizer(kit):
+    path = os.path.join(kit, "tokenizer")
+    if not os.path.isdir(path):
+        raise config.UserError(f"no tokenizer in {path}: build the kit first, on a machine with SmolLM2's files: "
+                               "python gpu_check.py --prepare SMOLLM2_DIR (then carry gpu_kit/ along).")
+    return sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory and time, phase by phase.
+
+
+class Meter:
+    """Peak memory since the last reset: torch.cuda.max_memory_allocated on CUDA; on CPU, the high-water mark of
+    this process's resident memory, as bench.py measures it (VmHWM, reset by writing 5 to /proc/self/clear_refs).
+    overall and overall_reserved: the highest peaks seen across resets (reserved: CUDA's caching allocator)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.overall = self.overall_reserved = 0
+        self.reset_peak()  # from here on: not what ran before (the bandwidth probe's buffers)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def peak(self):
+        self.sync()
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    def reset(self):
+        """Fold the peak so far into the overall peaks, then start a new one."""
+        self.overall = max(self.overall, self.peak())
+        if self.cuda:
+            self.overall_reserved = max(self.overall_reserved, torch.cuda.max_memory_reserved())
+        self.reset_peak()
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+@dataclass
+class Frame:
+    name: str
+    step: int          # the training step the phase belongs to (0: the evaluation before training)
+    start: float
+    inner: float = 0.0  # seconds spent in phases nested inside this one (the optimizer inside policy_update)
+    peak: int = 0
+
+
+class PhaseTimer:
+    """Wraps the loop's functions (PHASES) to record (phase, step, seconds, peak memory) per call. A phase nested in
+    another (optimizer_step inside policy_update) is cut out of it: each phase's time and peak are its own. The
+    rollouts of an evaluation count as evaluation, not generate."""
+
+    def __init__(self, meter):
+        self.meter, self.stack, self.events, self.logged, self.step_times = meter, [], [], 0, []
+
+    def patches(self):
+        """The patches to enter for the run: every phase, and log_step (it counts the steps done)."""
+        patches = [mock.patch.object(module, attr, self.wrap(name, getattr(module, attr)))
+                   for (module, attr), name in PHASES.items()]
+        return patches + [mock.patch.object(train, "log_step", self.count_steps(train.log_step))]
+
+    def wrap(self, name, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if name == "generate" and any(f.name == "evaluation" for f in self.stack):
+                return fn(*args, **kwargs)
+            self.enter(name)
+            finished = False
+            try:
+                out = fn(*args, **kwargs)
+                finished = True
+                return out
+            finally:
+                self.leave(finished)
+        return timed
+
+    def count_steps(self, fn):
+        @functools.wraps(fn)
+        def counted(path, step, args, metrics, *rest, **kwargs):
+            self.logged = step
+            self.step_times.append(metrics["step_time"])
+            return fn(path, step, args, metrics, *rest, **kwargs)
+        return counted
+
+    def enter(self, name):
+        if self.stack:  # the enclosing phase's peak so far, before the reset
+            self.stack[-1].peak = max(self.stack[-1].peak, self.meter.peak())
+        self.meter.reset()
+        step = self.logged if name in AFTER_LOG_STEP else self.logged + 1
+        self.stack.append(Frame(name, step, time.perf_counter()))
+
+    def leave(self, finished):
+        frame, peak = self.stack.pop(), self.meter.peak()  # peak() synchronizes CUDA first
+        elapsed = time.perf_counter() - frame.start
+        self.events.append(dict(phase=frame.name, step=frame.step, seconds=elapsed - frame.inner,
+                                peak_bytes=max(frame.peak, peak), finished=finished))
+        if self.stack:  # the enclosing phase goes on: measure its own peak from here
+            self.stack[-1].inner += elapsed
+            self.meter.reset()
+
+    def finished(self, name):
+        """The steps at which a call of phase `name` returned (did not raise)."""
+        return [e["step"] for e in self.events if e["phase"] == name and e["finished"]]
+
+    def summary(self, steps):
+        """{phase: {seconds, calls, per_step [steps + 1] (index 0: before training), peak_bytes}}."""
+        out = {}
+        for name in PHASES.values():
+            events = [e for e in self.events if e["phase"] == name]
+            per_step = [sum(e["seconds"] for e in events if e["step"] == s) for s in range(steps + 1)]
+            out[name] = dict(seconds=sum(e["seconds"] for e in events), calls=len(events), per_step=per_step,
+                             peak_bytes=max((e["peak_bytes"] for e in events), default=None))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The run: train.py's loop on a random-weight model.
+
+
+def build_model(config_name, tokenizer, device):
+    """bench.CONFIGS[config_name] with random fp32 weights, built on the device (nothing to move), with at least the
+    tokenizer's vocabulary and the tokenizer's EOS, pad and BOS ids, as SmolLM2's own configs have them."""
+    shape = dict(bench.CONFIGS[config_name])
+    vocab = max(shape.pop("vocab_size"), len(tokenizer))
+    with torch.device(device):
+        model = demo.tiny_llama(vocab, 0, **shape)
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+def run_training(args, config_name, tokenizer, timer):
+    """train.setup then train.train, as train.main runs them, with checkpoint.load_model giving the random-weight
+    model and the phases timed. Returns (model or None, task or None, what happened)."""
+    def load_model(name, trust_remote_code=False):
+        return build_model(config_name, tokenizer, args.device), sampling.prepare_tokenizer(tokenizer)
+
+    task = model = error = None
+    evals, t0 = [], time.perf_counter()
+    try:
+        with ExitStack() as stack:
+            for patch in [mock.patch.object(checkpoint, "load_model", load_model)] + timer.patches():
+                stack.enter_context(patch)
+            task, model, tokenizer = train.setup(args)
+            evals = train.train(args, task, model, tokenizer)
+    except Exception as e:  # the report says what failed (CUDA out of memory, ...); the traceback goes to stderr
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    wanted = [s for s in range(args.steps + 1) if task is not None and train.eval_due(args, task, s)]
+    done = timer.finished("evaluation")
+    return model, task, dict(ok=error is None and timer.logged == args.steps and done == wanted, error=error,
+                             steps_done=timer.logged, steps_wanted=args.steps, evaluations=done,
+                             evaluations_wanted=wanted, eval_results=dict(evals), step_times=timer.step_times,
+                             seconds=time.perf_counter() - t0)
+
+
+def train_flags(kit, device, output_dir):
+    """train.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's GSM8K rows."""
+    return ["--model", "SmolLM2-1.7B-Instruct", "--data", os.path.join(kit, "gsm8k", "train.jsonl"), "--steps", "3",
+            "--eval-limit", "16", "--output-dir", output_dir, "--device", device]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decode against its floor.
+
+
+def measure(fn, meter):
+    """(seconds, result, peak memory) of fn()."""
+    meter.reset()
+    t0 = time.perf_counter()
+    out = fn()
+    meter.sync()
+    return time.perf_counter() - t0, out, meter.peak()
+
+
+def decode_check(model, tokenizer, task, args, opts, meter):
+    """ms per new token of sampling.generate at opts.rows rows (rows / G prompts of the kit, built as the loop builds
+    them), EOS never drawn, eager then compiled (sampling.compile_model + plan_decode): a warm-up call, then a timed
+    one, whose seconds over max_new are the ms per token (its one prefill included). generate runs under autocast
+    itself (amp)."""
+    G, max_new = args.num_generations, opts.max_new_tokens or args.max_new_tokens
+    if opts.rows % G or opts.rows // G > len(task.train):
+        raise config.UserError(f"--rows {opts.rows} must be a multiple of G = {G}, at most {G * len(task.train)}")
+    prompts = [task.query(tokenizer, row["question"]) for row in task.train[: opts.rows // G]]
+    ids, mask = sampling.tokenize_prompts(tokenizer, prompts, torch.device(args.device))      # [rows / G, P]
+    settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
+    lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)  # an EOS after max_new tokens: never
+    generate = functools.partial(sampling.generate, model, ids, mask, settings, G, sampling.eos_token_ids(
+        model, tokenizer), tokenizer.pad_token_id, sampling.AMP[args.dtype], lengths=lengths)
+    result = dict(rows=opts.rows, prompts=len(prompts), prompt_tokens=ids.shape[1], new_tokens=max_new,
+                  cache_length=ids.shape[1] + max_new)
+    sampling.COMPILED.pop(id(model), None)  # eager first, also after a run with --compile
+    model.zero_grad(set_to_none=True)  # the last update's gradients: not needed to decode
+    measure(generate, meter)
+    seconds, out, result["eager_peak_bytes"] = measure(generate, meter)
+    assert out.shape == (opts.rows, max_new), f"decode wrote {tuple(out.shape)}, not {opts.rows} x {max_new}"
+    result["eager_ms_per_token"] = 1000 * seconds / max_new
+    if not opts.skip_compile:
+        sampling.compile_model(model, opts.compile_backend)
+        sampling.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
+        result["compile_seconds"] = measure(generate, meter)[0]  # the warm-up call compiles
+        seconds, _, result["compiled_peak_bytes"] = measure(generate, meter)
+        result["compiled_ms_per_token"], result["compile_backend"] = 1000 * seconds / max_new, opts.compile_backend
+    return result
+
+
+def copy_bandwidth(device, nbytes, repeats=5):
+    """Bytes per second of a device-to-device copy of nbytes (read + written), the best of `repeats`."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the buffers back: the run's reserved peak must not count them
+    return 2 * nbytes / best
+
+
+def decode_floor(model, decode, amp, bandwidth):
+    """The bytes one decode step must read, in the compute dtype: every nn.Linear weight once (a tied lm-head counts
+    once, as a Linear) and the whole static KV cache (its masked columns too); over the bandwidth, ms per token."""
+    size = torch.empty((), dtype=amp or torch.float32).element_size()
+    linear = {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    weights = size * sum(linear.values())
+    kv = size * decode["rows"] * decode["cache_length"] * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim
+    floor = 1000 * (weights + kv) / bandwidth
+    ratios = {f"{k}_over_floor": decode[f"{k}_ms_per_token"] / floor for k in ("eager", "compiled")
+              if f"{k}_ms_per_token" in decode}
+    return dict(weight_bytes=weights, kv_bytes=kv, bandwidth_bytes_per_s=bandwidth, floor_ms_per_token=floor,
+                dominant="weights" if weights >= kv else "KV cache", **ratios)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The report.
+
+
+def machine(device):
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    return dict(device=name, torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M %Z"))
+
+
+def memory_verdict(meter):
+    """Whether the run's peak fits each card: CUDA's reserved peak (what the allocator took from the card) plus the
+    context. None on CPU, where the peak is resident host memory."""
+    peak = dict(kind="torch.cuda.max_memory_allocated" if meter.cuda else "resident memory (VmHWM)",
+                peak_bytes=meter.overall, reserved_peak_bytes=meter.overall_reserved if meter.cuda else None)
+    for card, total in CARDS.items():
+        peak[f"fits_{card.replace(' ', '')}"] = (meter.overall_reserved + CUDA_CONTEXT <= total) if meter.cuda \
+            else None
+    return peak
+
+
+def gib(b):
+    return "-" if b is None else f"{b / GIB:.2f} GiB"
+
+
+def print_run(report):
+    run, phases = report["run"], report["phases"]
+    status = "OK" if run["ok"] else f"FAILED ({run['error'] or 'steps or evaluations missing'})"
+    print(f"run: {status}; {run['steps_done']} of {run['steps_wanted']} steps, evaluations at steps "
+          f"{run['evaluations']} of {run['evaluations_wanted']}, {run['seconds']:.1f} s in all")
+    steps = range(len(next(iter(phases.values()))["per_step"]))
+    print(f"  {'phase':<17}{'seconds':>9}{'peak':>11}   per step: " + "".join(f"{s:>8}" for s in steps))
+    for name, p in phases.items():
+        print(f"  {name:<17}{p['seconds']:>9.2f}{gib(p['peak_bytes']):>11}              "
+              + "".join(f"{s:>8.2f}" for s in p["per_step"]))
+    print(f"  {'step (the loop)':<37}              {'':>8}" + "".join(f"{s:>8.2f}" for s in run["step_times"]))
+    print("  (step 0: before training; evaluation and checkpoint count at the step they follow)")
+    mem = report["memory"]
+    fits = ", ".join(f"{card}: {'yes' if mem['fits_' + card.replace(' ', '')] else 'NO'}" for card in CARDS)
+    print(f"  peak {gib(mem['peak_bytes'])} ({mem['kind']})" + (
+        f", reserved {gib(mem['reserved_peak_bytes'])}; with ~{gib(CUDA_CONTEXT)} of CUDA context it fits {fits}"
+        if mem["reserved_peak_bytes"] is not None else "; the 40/80 GB verdict needs a GPU run"))
+
+
+def gb(b):
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
+
+
+def print_decode(report):
+    d, f = report["decode"], report.get("floor")
+    if "error" in d:
+        print(f"decode: FAILED ({d['error']})")
+        return
+    print(f"decode: {d['rows']} rows ({d['prompts']} prompts x G), {d['prompt_tokens']} prompt + {d['new_tokens']} "
+          f"new tokens, EOS never drawn, {report['dtype']}")
+    print(f"  eager     {d['eager_ms_per_token']:8.2f} ms/token  {f['eager_over_floor']:6.1f}x the floor")
+    if "compiled_ms_per_token" in d:
+        print(f"  compiled  {d['compiled_ms_per_token']:8.2f} ms/token  {f['compiled_over_floor']:6.1f}x the floor "
+              f"({d['compile_backend']}, compiled in {d['compile_seconds']:.1f} s)")
+    weights, kv = f["weight_bytes"], f["kv_bytes"]
+    print(f"  floor     {f['floor_ms_per_token']:8.2f} ms/token = {gb(weights + kv)} per token / "
+          f"{f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (measured copy bandwidth)")
+    print(f"  bytes per token: Linear weights {gb(weights)} ({weights / (weights + kv):.0%}), KV cache {gb(kv)} "
+          f"({kv / (weights + kv):.0%}): the larger part is the {f['dominant']}")
+    if report["dtype"] != "fp32":
+        print("  (eager under autocast casts every fp32 weight at every token: 4 + 2 + 2 bytes read and written per "
+              "parameter, not 2; the compiled decode reads a twin cast once per call)")
+
+
+def print_report(report):
+    m = report["machine"]
+    print(f"\n===== gpu_check, {m['date']}: {m['device']} | torch {m['torch']} | transformers "
+          f"{m['transformers']} | Python {m['python']}")
+    print(f"command: {report['command']}")
+    print(f"model: {report['config']}, random weights, {report['parameters']:,} parameters, vocab "
+          f"{report['vocab_size']} | {report['device']}, {report['dtype']}")
+    print(f"train.py {shlex.join(report['train_flags'])}")
+    print_run(report)
+    print_decode(report)
+    print(f"===== {'OK' if report['ok'] else 'FAILED'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def parse(argv):
+    """(this script's options, train.py's flags: whatever follows --)."""
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after -- go to train.py.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prepare", metavar="SMOLLM2_DIR", help="write the kit from a SmolLM2 model directory, then exit")
+    p.add_argument("--gsm8k", default=os.path.normpath(os.path.join(HERE, "..", "shared", "data", "gsm8k")),
+                   help="with --prepare: the directory holding GSM8K's train.jsonl and test.jsonl")
+    p.add_argument("--kit", default=os.path.join(HERE, "gpu_kit"), help="the kit's directory")
+    p.add_argument("--config", default="smollm2-1.7b", choices=list(bench.CONFIGS), help="the model's shape")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="as train.py's --device")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="decode timing: new tokens per row; if not given, the run's --max-new-tokens (300)")
+    p.add_argument("--rows", type=int, default=32, help="decode timing: rows per call (a multiple of G)")
+    p.add_argument("--compile-backend", default=None,
+                   help="decode timing: torch.compile backend; if not given, inductor on CUDA, aot_eager on CPU")
+    p.add_argument("--skip-compile", action="store_true", help="decode timing: eager only")
+    p.add_argument("--out", help="also write the report as JSON to this file")
+    return p.parse_args(own), rest
+
+
+def check(opts, train_argv, command):
+    """The run, then the decode timing: the report as a dict."""
+    tokenizer = load_kit_tokenizer(opts.kit)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        flags = train_flags(os.path.abspath(opts.kit), opts.device, tmp) + train_argv
+        args = config.parse_args(flags)
+        device = torch.device(args.device)
+        opts.compile_backend = opts.compile_backend or ("inductor" if device.type == "cuda" else "aot_eager")
+        bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2 ** 20)
+        meter = Meter(device)
+        timer = PhaseTimer(meter)
+        model, task, run = run_training(args, opts.config, tokenizer, timer)
+        meter.reset()  # the overall peak is the run's (setup included), before the decode timing
+    gc.collect()  # the run's optimizer, reference model and checkpoints are gone: free their memory for decode
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report = dict(machine=machine(device), command=command, config=opts.config, device=args.device, dtype=args.dtype,
+                  train_flags=flags, run=run, phases=timer.summary(args.steps), memory=memory_verdict(meter))
+    report.update(decode_report(model, tokenizer, task, args, opts, meter, bandwidth))
+    report["ok"] = run["ok"] and "error" not in report["decode"]
+    return report
+
+
+def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
+    """{decode, floor, parameters, vocab_size}; decode holds only an error when it failed (or the model never
+    got built)."""
+    if model is None:
+        return dict(decode=dict(error="no model: the run failed before building it"), parameters=0, vocab_size=0)
+    out = dict(parameters=sum(p.numel() for p in model.parameters()), vocab_size=model.config.vocab_size)
+    try:
+        out["decode"] = decode_check(model, tokenizer, task, args, opts, meter)
+        out["floor"] = decode_floor(model, out["decode"], sampling.AMP[args.dtype], bandwidth)
+    except Exception as e:
+        traceback.print_exc()
+        out["decode"] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    opts, train_argv = parse(argv)
+    try:
+        if opts.prepare:
+            prepare_kit(opts.prepare, opts.gsm8k, opts.kit)
+            return 0
+        report = check(opts, train_argv, "python gpu_check.py " + shlex.join(argv))
+    except config.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_report(report)
+    if opts.out:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+        with open(opts.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {opts.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
