@@ -40,18 +40,21 @@ import sampling
 import train
 
 # Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
-# smollm2-1.7b: HuggingFaceTB/SmolLM2-1.7B-Instruct's config.json, with random weights.
+# smollm2-135m and smollm2-1.7b: HuggingFaceTB/SmolLM2-135M- and 1.7B-Instruct's config.json, with random weights.
 CONFIGS = {
     "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=2048),
     "100m": dict(hidden_size=768, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=12, vocab_size=49152),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
     "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
                          num_key_value_heads=32, vocab_size=49152, rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 130000.0}),
 }
 # Per config: prompt tokens, new tokens, timed steps per run (after one warm-up step).
-SHAPES = {"tiny": (40, 64, 5), "100m": (64, 64, 2), "smollm2-1.7b": (128, 300, 3)}
+SHAPES = {"tiny": (40, 64, 5), "100m": (64, 64, 2), "smollm2-135m": (128, 64, 2), "smollm2-1.7b": (128, 300, 3)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -124,6 +124,14 @@ class Meter:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def in_use(self):
+        """The memory in use now: allocated tensors on CUDA, resident memory on CPU (VmRSS)."""
+        self.sync()
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
     def peak(self):
         self.sync()
         if self.cuda:
@@ -372,6 +380,24 @@ def memory_verdict(meter):
     return peak
 
 
+# gpu_check's phases -> bench.memory_phases' names for them.
+MODEL_PHASES = {"generate": "generate", "reference": "reference log-probs", "forward_backward":
+                "policy forward + backward", "optimizer": "optimizer", "evaluation": "evaluation"}
+
+
+def predicted_phases(args, config_name, tokenizer, task):
+    """{phase: bytes}: bench.memory_phases' arithmetic for this run's flags (the longest prompt of the run as every
+    prompt's length), to hold against the measured peaks. None when the run failed before its task was built."""
+    if task is None:
+        return None
+    shape = argparse.Namespace(
+        config=config_name, dtype=args.dtype, batch_size=args.batch_size, accumulation=args.gradient_accumulation_steps,
+        num_generations=args.num_generations, prompt_len=train.longest_prompt(task, tokenizer, None),
+        max_new_tokens=args.max_new_tokens, beta=args.beta, gradient_checkpointing=args.gradient_checkpointing,
+        eval_batch_size=args.eval_batch_size, eval_samples=args.eval_samples, compile=args.compile)
+    return {ours: sum(b for _, b in bench.memory_phases(shape)[theirs]) for ours, theirs in MODEL_PHASES.items()}
+
+
 def gib(b):
     return "-" if b is None else f"{b / GIB:.2f} GiB"
 
@@ -389,6 +415,14 @@ def print_run(report):
     print(f"  {'step (the loop)':<37}              {'':>8}" + "".join(f"{s:>8.2f}" for s in run["step_times"]))
     print("  (step 0: before training; evaluation and checkpoint count at the step they follow)")
     mem = report["memory"]
+    if mem.get("model"):  # bench.py --memory's arithmetic against the measured peaks, above the baseline
+        print(f"  memory above the {gib(mem['baseline_bytes'])} in use before the model, against bench.py --memory:")
+        for name, predicted in mem["model"].items():
+            measured = phases[name]["peak_bytes"]
+            if measured is not None:
+                measured -= mem["baseline_bytes"]
+                print(f"    {name:<17} measured {gib(measured):>10}, computed {gib(predicted):>10} "
+                      f"({measured / predicted - 1:+.0%})")
     fits = ", ".join(f"{card}: {'yes' if mem['fits_' + card.replace(' ', '')] else 'NO'}" for card in CARDS)
     print(f"  peak {gib(mem['peak_bytes'])} ({mem['kind']})" + (
         f", reserved {gib(mem['reserved_peak_bytes'])}; with ~{gib(CUDA_CONTEXT)} of CUDA context it fits {fits}"
@@ -401,6 +435,9 @@ def gb(b):
 
 def print_decode(report):
     d, f = report["decode"], report.get("floor")
+    if d.get("skipped"):
+        print("decode: skipped (--skip-decode)")
+        return
     if "error" in d:
         print(f"decode: FAILED ({d['error']})")
         return
@@ -416,8 +453,8 @@ def print_decode(report):
     print(f"  bytes per token: Linear weights {gb(weights)} ({weights / (weights + kv):.0%}), KV cache {gb(kv)} "
           f"({kv / (weights + kv):.0%}): the larger part is the {f['dominant']}")
     if report["dtype"] != "fp32":
-        print("  (eager under autocast casts every fp32 weight at every token: 4 + 2 + 2 bytes read and written per "
-              "parameter, not 2; the compiled decode reads a twin cast once per call)")
+        print("  (eager, autocast casts each fp32 weight once per decode call and keeps the copy; the compiled "
+              "decode reads its twin, refreshed once per call)")
 
 
 def print_report(report):
@@ -454,6 +491,7 @@ def parse(argv):
     p.add_argument("--compile-backend", default=None,
                    help="decode timing: torch.compile backend; if not given, inductor on CUDA, aot_eager on CPU")
     p.add_argument("--skip-compile", action="store_true", help="decode timing: eager only")
+    p.add_argument("--skip-decode", action="store_true", help="no decode timing: the run alone")
     p.add_argument("--out", help="also write the report as JSON to this file")
     return p.parse_args(own), rest
 
@@ -468,6 +506,7 @@ def check(opts, train_argv, command):
         opts.compile_backend = opts.compile_backend or ("inductor" if device.type == "cuda" else "aot_eager")
         bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2 ** 20)
         meter = Meter(device)
+        baseline = meter.in_use()  # before the model: what the phases' peaks are measured above
         timer = PhaseTimer(meter)
         model, task, run = run_training(args, opts.config, tokenizer, timer)
         meter.reset()  # the overall peak is the run's (setup included), before the decode timing
@@ -476,6 +515,7 @@ def check(opts, train_argv, command):
         torch.cuda.empty_cache()
     report = dict(machine=machine(device), command=command, config=opts.config, device=args.device, dtype=args.dtype,
                   train_flags=flags, run=run, phases=timer.summary(args.steps), memory=memory_verdict(meter))
+    report["memory"].update(baseline_bytes=baseline, model=predicted_phases(args, opts.config, tokenizer, task))
     report.update(decode_report(model, tokenizer, task, args, opts, meter, bandwidth))
     report["ok"] = run["ok"] and "error" not in report["decode"]
     return report
@@ -487,6 +527,8 @@ def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
     if model is None:
         return dict(decode=dict(error="no model: the run failed before building it"), parameters=0, vocab_size=0)
     out = dict(parameters=sum(p.numel() for p in model.parameters()), vocab_size=model.config.vocab_size)
+    if opts.skip_decode:
+        return dict(out, decode=dict(skipped=True))
     try:
         out["decode"] = decode_check(model, tokenizer, task, args, opts, meter)
         out["floor"] = decode_floor(model, out["decode"], sampling.AMP[args.dtype], bandwidth)
