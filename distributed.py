@@ -55,12 +55,16 @@ def shard_model(model):
     """FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer (the classes transformers lists in
     _no_split_modules) its own unit, then the root (embeddings, final norm, lm-head). Parameters, gradients and AdamW
     state are then split over the ranks; each layer's weights are gathered for its forward and backward only."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    # The mesh on the model's own device type: by default FSDP2 takes the machine's accelerator, and would move a
+    # CPU model (--device cpu, gloo) onto the GPU of a GPU machine.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world(),))
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_types:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -47,8 +47,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
                                micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler,
                                ddp=run.ddp)
     if args.compile:  # the compiled decode's shapes, fixed for the run: at most two graphs and two KV caches
-        longest = longest_prompt(task, tokenizer, sampling.prompt_limit(model, settings))
-        sampling.plan_decode(model, rows=decode_rows(args), length=longest + args.max_new_tokens)
+        sampling.plan_decode(model, decode_rows(args), decode_length(task, tokenizer, model, settings))
     plot.print_header(args, model)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
@@ -107,6 +106,11 @@ def decode_rows(args):
     batch's (questions x samples; a last, smaller batch is padded up to it when compiled)."""
     return [prompts_per_step(args) // distributed.world() * args.num_generations,
             args.eval_batch_size * args.eval_samples]
+
+
+def decode_length(task, tokenizer, model, settings):
+    """The KV cache length every decode call of the run fits in: its longest prompt, then max_new_tokens."""
+    return longest_prompt(task, tokenizer, sampling.prompt_limit(model, settings)) + settings.max_new_tokens
 
 
 def longest_prompt(task, tokenizer, limit):
