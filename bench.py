@@ -775,7 +775,8 @@ def memory_phases(a):
     architecture: {phase: [(part, bytes)]}. The phases are the loop's (generate, reference log-probs, policy
     forward + backward, optimizer) and the evaluation's. What each phase holds:
       - always: the fp32 weights, AdamW's two fp32 moments, the reference in the compute dtype (β > 0) and, with
-        --compile under autocast, the decode twin (every Linear weight in the compute dtype);
+        --compile, the decode twin (every Linear weight in the compute dtype) and the KV caches of the two planned
+        decode shapes, which the compiled step reads in place for the whole run;
       - generate and evaluation: the KV cache (rows x (prompt + new tokens), keys and values in the compute dtype)
         and, eager, autocast's compute-dtype copy of every Linear weight, cached for the whole decode;
       - reference log-probs: the prompt's KV cache repeated to the micro-batch's G rows, and the chunked lm-head's
@@ -797,13 +798,20 @@ def memory_phases(a):
     act = activation_bytes_per_token_layer(a.config, amp)
     checkpointed = micro * seq * (L * 4 * h + act)  # the fp32 residual stream per layer, then one layer recomputed
     chunk = min(1024, micro * a.max_new_tokens)  # rows of the chunked lm-head at a time: [chunk, V] fp32 logits
+    kv = {"generate": (f"KV cache: {rows} rows x {seq} tokens", rows * seq * kv_per_token),
+          "evaluation": (f"KV cache: {eval_rows} rows x {seq} tokens", eval_rows * seq * kv_per_token)}
     static = [("weights, fp32", 4 * n), ("AdamW moments, fp32", 8 * n),
               (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
-              ("decode twin (--compile)", copy_bytes if a.compile else 0)]
+              ("decode twin (--compile)", copy_bytes if a.compile else 0),
+              # compiled, each planned shape keeps its cache for the whole run (CUDA graphs read it in place)
+              ("the compiled decode's two KV caches, kept", kv["generate"][1] + kv["evaluation"][1] if a.compile
+               else 0)]
+    if a.compile:  # the caches are counted above, in every phase; decoding reads the twin, autocast casts nothing
+        kv = {phase: ("", 0) for phase in kv}
     decode_copy = ("" if a.compile else f"autocast copy of the Linear weights, {a.dtype}", 0 if a.compile else
                    copy_bytes)
     return {
-        "generate": static + [decode_copy, (f"KV cache: {rows} rows x {seq} tokens", rows * seq * kv_per_token)],
+        "generate": static + [decode_copy, kv["generate"]],
         "reference log-probs": static + [
             (f"prompt KV cache x G: {micro} rows x {a.prompt_len}", micro * a.prompt_len * kv_per_token),
             (f"lm-head: {chunk} x {V} fp32 logits, twice", 2 * 4 * chunk * V)],
@@ -813,8 +821,7 @@ def memory_phases(a):
              checkpointed if a.gradient_checkpointing else micro * seq * L * act),
             (f"lm-head: {chunk} x {V} fp32 logits, three", 3 * 4 * chunk * V + width * V * h)],
         "optimizer": static + [("gradients, fp32", 4 * n)],
-        "evaluation": static + [decode_copy, (f"KV cache: {eval_rows} rows x {seq} tokens",
-                                              eval_rows * seq * kv_per_token)],
+        "evaluation": static + [decode_copy, kv["evaluation"]],
     }
 
 

@@ -278,7 +278,7 @@ class Compiled:
     body: object                                 # the compiled forward of the log-prob passes (dynamic shapes)
     rows: tuple = ()                             # planned row counts of a decode call, ascending
     length: int | None = None                    # planned cache length: longest prompt + max_new_tokens
-    steps: dict = dataclasses.field(default_factory=dict)   # compute dtype -> (twin, compiled decode step)
+    steps: dict = dataclasses.field(default_factory=dict)   # compute dtype -> (twin, its pairs, compiled step)
     caches: dict = dataclasses.field(default_factory=dict)  # (rows, length, dtype) -> KVCache, written in place
 
     def shape(self, n, needed):
