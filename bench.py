@@ -30,11 +30,11 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
 
-import checkpoint
 import config
 import data
 import demo
 import grpo
+import models
 import rewards
 import sampling
 import train
@@ -250,12 +250,12 @@ def worker_ours(a):
     tokenizer = build_tokenizer(model.config.vocab_size)
     start = checksum(model)
     model.to(DEVICE)
-    ref_model = checkpoint.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
-    if a.compile:  # as checkpoint.start does for --compile
+    ref_model = models.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
+    if a.compile:  # as train.build_run does for --compile
         for m in [model] + ([ref_model] if ref_model is not None else []):
             sampling.compile_model(m, a.compile)
     model.train()
-    optimizer = checkpoint.build_optimizer(model, a.lr, weight_decay=0.0)
+    optimizer = train.build_optimizer(model, a.lr, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
     task_rewards = rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
     B = a.batch_size

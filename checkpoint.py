@@ -1,150 +1,28 @@
-"""The state of a run and its checkpoints: the policy and the reference (Algorithm 1's lines 1 and 3), AdamW and its
-schedule, all set up fresh or resumed from a checkpoint; models loaded by name or directory.
+"""Checkpoints: saving a run, finding the last checkpoint, and restoring a run from it.
 
 OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
 training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written
 into checkpoint.tmp, fsynced and renamed into place. A run's data position needs no saving: the batch of step s is a
 pure function of the seed and s (data.batch_at); its evaluations are read back from metrics.jsonl.
 """
-import copy
-import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import distributed
-import sampling
-from config import UserError
-
-SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECASE)
-
-
-def resolve_model_name(name):
-    """--model as typed -> what from_pretrained gets: a local directory as is; a SmolLM2 short name
-    ("SmolLM2-1.7B-Instruct", any case) -> "HuggingFaceTB/SmolLM2-1.7B-Instruct"; anything else (a hub id) as is."""
-    if os.path.isdir(os.path.expanduser(name)):
-        return os.path.expanduser(name)
-    match = SMOLLM2_SHORT.fullmatch(name.strip())
-    if match:
-        return f"HuggingFaceTB/SmolLM2-{match.group(1).upper()}" + ("-Instruct" if match.group(2) else "")
-    return name
-
-
-def load_model(name, trust_remote_code=False):
-    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried."""
-    resolved = resolve_model_name(name)
-    local = os.path.abspath(os.path.expanduser(name))
-    try:
-        kw = dict(trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch.float32, **kw)
-    except Exception as e:  # OSError (missing / offline), ValueError (unknown architecture), HFValidationError, ...
-        reason = " ".join(str(e).split())[:400]
-        hub = "" if os.path.isdir(local) else f"; the Hugging Face hub id {resolved!r} ({reason})"
-        raise UserError(
-            f"could not load model {name!r}. Tried: the local directory {local} "
-            f"({'exists, but loading failed: ' + reason if os.path.isdir(local) else 'not found'}){hub}. "
-            "Pass a local directory holding config.json and the weights, a full hub id such as "
-            "HuggingFaceTB/SmolLM2-1.7B-Instruct, or a SmolLM2 short name (SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, "
-            "each with or without -Instruct). On a machine without network, download the model elsewhere and pass its "
-            "directory; models with custom code also need --trust-remote-code.") from None
-    return model, sampling.prepare_tokenizer(tokenizer)
-
-
-@dataclass
-class Run:
-    """What the loop carries from step to step."""
-    model: torch.nn.Module             # π_θ, fp32, on the device
-    ref_model: torch.nn.Module | None  # π_ref, frozen (None when β = 0)
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: object                     # fp16's GradScaler, else None
-    start_step: int
-    log_path: str                      # OUTPUT_DIR/metrics.jsonl
-    evals: list                        # [(step, {reward name: mean})]
-    peft: object = None                # --lora-rank: the PeftModel around `model` (saves the adapter), else None
-    ddp: object = None                 # under torchrun: DistributedDataParallel around the log-prob forward
+from errors import UserError
 
 
 def policy_loaded_from_checkpoint(args, resume_dir):
     """Whether --resume loads the checkpoint in place of π_θinit: with β = 0 no reference model needs the initial
     weights (the demo always builds its model in code)."""
     return resume_dir is not None and args.beta == 0 and not args.demo and not args.lora_rank
-
-
-def start(args, model, tokenizer, resume_dir=None):
-    """Lines 1 and 3: π_θ on the device (π_θinit, or on --resume the checkpoint's weights) and π_ref = π_θinit; then
-    AdamW, its LR schedule and a resumed run's optimizer, scheduler, RNG and log."""
-    peft_model = None
-    if args.lora_rank:  # π_θ = π_θinit + adapters; π_ref = π_θinit: the same model with its adapters off, no copy
-        peft_model = add_lora(model.to(args.device), args, resume_dir)
-        model, ref_model = peft_model.get_base_model(), peft_model if args.beta > 0 else None
-    else:
-        ref_model = reference_model(model, args.beta, sampling.AMP[args.dtype], args.device,
-                                    copy_model=resume_dir is None)
-    if resume_dir is not None and not args.lora_rank and not policy_loaded_from_checkpoint(args, resume_dir):
-        check_same_architecture(model.config, AutoConfig.from_pretrained(resume_dir), args.model, resume_dir)
-        model = AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,  # π_θ: the checkpoint's
-                                                     trust_remote_code=args.trust_remote_code)
-    model.to(args.device)
-    if args.gradient_checkpointing:
-        sampling.enable_gradient_checkpointing(model)
-    if args.compile:  # the decode step and the log-prob forwards of π_θ (and π_ref's)
-        for m in {id(m): m for m in (model, ref_model) if m is not None}.values():
-            sampling.compile_model(m, args.compile)
-    model.train()
-    if args.fsdp:  # under torchrun: shard π_θ and π_ref over the ranks instead of replicating them
-        distributed.shard_model(model)
-        if ref_model is not None and ref_model is not model:
-            distributed.shard_model(ref_model)
-    optimizer = build_optimizer(model, args.lr, args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=args.steps * args.num_iterations)
-    # fp16 autocast needs loss scaling; bf16 and fp32 do not.
-    scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
-    step, ddp = 0, None if args.fsdp else distributed.wrap(model)  # torchrun: DDP (it broadcasts rank 0's weights)
-    if resume_dir is None and distributed.world() > 1:
-        torch.manual_seed(args.seed + 1000 * distributed.rank())  # each rank samples its own completions
-    if resume_dir is not None:
-        state = load_state(resume_dir)
-        check_same_flags(state["args"], args)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        set_rng_state(state.get("rngs", [state["rng"]])[distributed.rank()])  # this rank's own
-        step = state["step"]
-        print(f"resumed from {resume_dir} at step {step}")
-    log_path, evals = open_log(args.output_dir, step if resume_dir is not None else None)
-    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model, ddp)
-
-
-def add_lora(model, args, resume_dir=None):
-    """--lora-rank: the PeftModel with LoRA adapters on --lora-target-modules (every other weight frozen), or, on
-    --resume, with the checkpoint's adapter. peft is imported only here: it stays optional."""
-    try:
-        import peft
-    except ImportError:
-        raise UserError("--lora-rank needs peft, which is not installed: pip install peft") from None
-    targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
-    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
-                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
-    try:
-        if resume_dir is not None:
-            return peft.PeftModel.from_pretrained(model, os.path.join(resume_dir, "adapter"), is_trainable=True)
-        return peft.get_peft_model(model, config)
-    except (ValueError, RuntimeError, OSError) as e:  # no such module; an adapter for another model
-        raise UserError(f"LoRA: {' '.join(str(e).split())[:300]} (--lora-target-modules {args.lora_target_modules}"
-                        + (f"; the adapter in {resume_dir}/adapter" if resume_dir else "") + ").") from None
 
 
 def save_merged(model, peft_model, directory):
@@ -182,6 +60,27 @@ def merged_state_dict(peft_model):
     return state
 
 
+def load_policy(resume_dir, model, args):
+    """π_θ as the checkpoint left it (fp32 weights), after checking it was trained from `model`'s architecture."""
+    check_same_architecture(model.config, AutoConfig.from_pretrained(resume_dir), args.model, resume_dir)
+    return AutoModelForCausalLM.from_pretrained(resume_dir, dtype=torch.float32,
+                                                trust_remote_code=args.trust_remote_code)
+
+
+def restore(resume_dir, args, optimizer, scheduler, scaler):
+    """A resumed run's AdamW state, LR schedule, fp16 loss scaler and this rank's RNG, after checking that its flags
+    are the checkpoint's. Returns the step the checkpoint was saved after."""
+    state = load_state(resume_dir)
+    check_same_flags(state["args"], args)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state.get("rngs", [state["rng"]])[distributed.rank()])  # this rank's own
+    print(f"resumed from {resume_dir} at step {state['step']}")
+    return state["step"]
+
+
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")
 
@@ -213,32 +112,6 @@ def check_same_flags(saved, args):
                         + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(MAY_CHANGE_ON_RESUME)) + ".")
 
 
-def reference_model(model, beta, dtype, device, copy_model=True):
-    """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL term, no reference
-    model at all). copy_model=False freezes `model` itself (on --resume the policy is loaded from the checkpoint).
-    Its parameters are stored in the autocast dtype, if any: it is never trained. Its buffers (the rotary
-    embedding's inverse frequencies) stay fp32, as the policy's do: in bf16 they would turn every position's
-    rotation angle by up to 0.4% and raise the KL floor between identical models. Cast before the move: no fp32
-    copy on the device."""
-    if beta == 0:
-        return None
-    ref = copy.deepcopy(model) if copy_model else model
-    ref.requires_grad_(False).eval()
-    if dtype is not None:
-        for p in ref.parameters():
-            p.data = p.data.to(dtype)
-    return ref.to(device)
-
-
-def build_optimizer(model, lr, weight_decay):
-    """AdamW on the fp32 parameters, fused (one kernel over all parameters) where torch has it: CUDA, and CPU."""
-    params = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters only
-    try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-
 def save_run(run, args, step, rng, final=False):
     """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model when the run ends here
     (the last step, an early stop, an interruption: `final`), so that the checkpoint a run leaves behind always loads
@@ -267,34 +140,6 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     why = "stopped" if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt) else "interrupted"
     print(f"\n{why}: saving a checkpoint at step {done} before exiting", file=sys.stderr, flush=True)
     save_run(run, args, done, rng_state() if updated else rng_at_start, final=True)
-
-
-def open_log(output_dir, resumed_at=None):
-    """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
-    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
-    Under torchrun every rank reads it, and rank 0 alone writes it."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "metrics.jsonl")
-    kept = []
-    if resumed_at is not None and os.path.isfile(path):
-        with open(path) as f:
-            kept = [row for row in map(json_or_none, f) if row is not None and row["step"] <= resumed_at]
-    distributed.barrier()  # every rank has read it before rank 0 rewrites it
-    if distributed.is_main():
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
-    evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
-             for row in kept if any(k.startswith("eval/") for k in row)]
-    return path, evals
-
-
-def json_or_none(line):
-    """A metrics.jsonl line as a dict; None for a blank line or one cut short by a kill in the middle of a write."""
-    try:
-        return json.loads(line) if line.strip() else None
-    except ValueError:
-        print(f"metrics.jsonl: skipping a line cut short: {line[:80]!r}", file=sys.stderr)
-        return None
 
 
 def rng_state():

@@ -10,6 +10,8 @@ import re
 
 import torch
 
+from errors import UserError
+
 
 def build_parser():
     p = argparse.ArgumentParser(description="GRPO (DeepSeekMath eq. 3) on GSM8K with a hand-written loop.",
@@ -198,10 +200,6 @@ DEMO_DEFAULTS = dict(model="demo", steps=150, batch_size=8, gradient_accumulatio
                      num_iterations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, lr=2e-3, beta=0.04,
                      lora_target_modules="q_proj,v_proj,lm_head", eval_every=50, eval_samples=4, eval_temperature=1.0,
                      eval_batch_size=100, save_every=0, sample_every=50)
-
-
-class UserError(Exception):
-    """Bad input. main() prints the message (one paragraph) to stderr and exits with code 2, without a traceback."""
 
 
 def parse_args(argv=None):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import rewards
-from config import UserError
+from errors import UserError
 
 
 @dataclass

@@ -43,6 +43,7 @@ import checkpoint
 import config
 import data
 import demo
+import models
 import sampling
 import train
 
@@ -249,7 +250,7 @@ def build_model(config_name, tokenizer, device):
 
 
 def run_training(args, config_name, tokenizer, timer):
-    """train.setup then train.train, as train.main runs them, with checkpoint.load_model giving the random-weight
+    """train.setup then train.train, as train.main runs them, with models.load_model giving the random-weight
     model and the phases timed. Returns (model or None, task or None, what happened)."""
     def load_model(name, trust_remote_code=False):
         return build_model(config_name, tokenizer, args.device), sampling.prepare_tokenizer(tokenizer)
@@ -258,7 +259,7 @@ def run_training(args, config_name, tokenizer, timer):
     evals, t0 = [], time.perf_counter()
     try:
         with ExitStack() as stack:
-            for patch in [mock.patch.object(checkpoint, "load_model", load_model)] + timer.patches():
+            for patch in [mock.patch.object(models, "load_model", load_model)] + timer.patches():
                 stack.enter_context(patch)
             task, model, tokenizer = train.setup(args)
             evals = train.train(args, task, model, tokenizer)

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from config import UserError
+from errors import UserError
 
 THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
 

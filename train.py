@@ -8,7 +8,8 @@
     python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer \
         --reward-fn my_rewards:exact                          # your own task (README: Your own task)
 
-The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, checkpoints in checkpoint.py.
+The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, the models in models.py,
+checkpoints in checkpoint.py, the progress line and metrics.jsonl in report.py.
 """
 import contextlib
 import dataclasses
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import set_seed
+from transformers import get_scheduler, set_seed
 
 import checkpoint
 import config
@@ -28,10 +29,11 @@ import data
 import demo
 import distributed
 import grpo
-import plot
+import models
+import report
 import rewards
 import sampling
-from config import UserError
+from errors import UserError
 
 
 def train(args, task, model, tokenizer, resume_dir=None):
@@ -39,7 +41,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     has nothing to do and line 3's reference stays the initial policy. Returns the evaluations [(step, {name: mean})].
     """
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
-    run = checkpoint.start(args, model, tokenizer, resume_dir)
+    run = build_run(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
     settings = sampling.Sampling.of(args)
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
@@ -48,7 +50,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
                                ddp=run.ddp)
     if args.compile:  # the compiled decode's shapes, fixed for the run: at most two graphs and two KV caches
         sampling.plan_decode(model, decode_rows(args), decode_length(task, tokenizer, model, settings))
-    plot.print_header(args, model)
+    report.print_header(args, model)
     evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
     for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
@@ -79,10 +81,10 @@ def train(args, task, model, tokenizer, resume_dir=None):
                     old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
                 nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
-            metrics = {**plot.step_metrics(*every_rank(reward, per_fn, rollouts), G, updates, times,
+            metrics = {**report.step_metrics(*every_rank(reward, per_fn, rollouts), G, updates, times,
                                            args.steps - step - 1, run.scheduler), **dynamic}
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-            plot.print_sample(args, step + 1, task.query(tokenizer, rows[0]["question"]),
+            report.print_sample(args, step + 1, task.query(tokenizer, rows[0]["question"]),
                               task.responses(rollouts.texts), reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
             save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
@@ -123,9 +125,9 @@ def longest_prompt(task, tokenizer, limit):
 def finish(run, task, args):
     """The closing before/after table, and curves.png."""
     if len(run.evals) > 1:
-        plot.print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
+        report.print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
     if distributed.is_main():
-        plot.curves(args.output_dir)
+        report.curves(args.output_dir)
 
 
 def every_rank(reward, per_fn, rollouts):
@@ -138,7 +140,7 @@ def every_rank(reward, per_fn, rollouts):
 
 def log_step(path, step, args, metrics, reward_names):
     if distributed.is_main():  # one metrics.jsonl
-        plot.log_step(path, step, args, metrics, reward_names)
+        report.log_step(path, step, args, metrics, reward_names)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,73 @@ class Objective:
     def of(cls, args):
         return cls(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level, args.max_new_tokens,
                    args.delta)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The run: what train() builds before its first step.
+
+
+@dataclass
+class Run:
+    """What the loop carries from step to step."""
+    model: torch.nn.Module             # π_θ, fp32, on the device
+    ref_model: torch.nn.Module | None  # π_ref, frozen (None when β = 0)
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object                     # fp16's GradScaler, else None
+    start_step: int
+    log_path: str                      # OUTPUT_DIR/metrics.jsonl
+    evals: list                        # [(step, {reward name: mean})]
+    peft: object = None                # --lora-rank: the PeftModel around `model` (saves the adapter), else None
+    ddp: object = None                 # under torchrun: DistributedDataParallel around the log-prob forward
+
+
+def build_run(args, model, tokenizer, resume_dir=None):
+    """Everything the loop needs, built in reading order: π_θ on the device (Algorithm 1's line 1: π_θinit, or on
+    --resume the checkpoint's weights), π_ref = π_θinit (line 3), gradient checkpointing, torch.compile, FSDP2 or
+    DDP under torchrun, AdamW, its LR schedule, fp16's loss scaler; then a resumed run's state and its log."""
+    peft_model = None
+    if args.lora_rank:  # π_θ = π_θinit + adapters; π_ref = π_θinit: the same model with its adapters off, no copy
+        peft_model = models.add_lora(model.to(args.device), args, resume_dir)
+        model, ref_model = peft_model.get_base_model(), peft_model if args.beta > 0 else None
+    else:
+        ref_model = models.reference_model(model, args.beta, sampling.AMP[args.dtype], args.device,
+                                           copy_model=resume_dir is None)
+    if resume_dir is not None and not args.lora_rank and not checkpoint.policy_loaded_from_checkpoint(args,
+                                                                                                     resume_dir):
+        model = checkpoint.load_policy(resume_dir, model, args)
+    model.to(args.device)
+    if args.gradient_checkpointing:
+        sampling.enable_gradient_checkpointing(model)
+    if args.compile:  # the decode step and the log-prob forwards of π_θ (and π_ref's)
+        for m in {id(m): m for m in (model, ref_model) if m is not None}.values():
+            sampling.compile_model(m, args.compile)
+    model.train()
+    if args.fsdp:  # under torchrun: shard π_θ and π_ref over the ranks instead of replicating them
+        distributed.shard_model(model)
+        if ref_model is not None and ref_model is not model:
+            distributed.shard_model(ref_model)
+    ddp = None if args.fsdp else distributed.wrap(model)  # torchrun: DDP (it broadcasts rank 0's weights)
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.steps * args.num_iterations)
+    # fp16 autocast needs loss scaling; bf16 and fp32 do not.
+    scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
+    if resume_dir is None and distributed.world() > 1:
+        torch.manual_seed(args.seed + 1000 * distributed.rank())  # each rank samples its own completions
+    step = 0 if resume_dir is None else checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
+    log_path, evals = report.open_log(args.output_dir, step if resume_dir is not None else None)
+    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model, ddp)
+
+
+def build_optimizer(model, lr, weight_decay):
+    """AdamW on the fp32 parameters, fused (one kernel over all parameters) where torch has it: CUDA, and CPU."""
+    params = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters only
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -349,7 +418,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
                 total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
                 chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
-                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {plot.format_seconds(time.time() - t0)}",
+                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {report.format_seconds(time.time() - t0)}",
                       flush=True)
     chunks = [c for part in distributed.gather_objects([{k: v.cpu() for k, v in c.items()} for c in chunks])
               for c in part]  # every rank's
@@ -377,7 +446,7 @@ def evaluate_if_due(run, task, args, step, last=False):
     run.evals.append((step, result))
     print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
     if distributed.is_main():
-        plot.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
+        report.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
 
 
 def evaluate_as_flagged(model, tokenizer, task, args):
@@ -397,7 +466,7 @@ def save_if_due(run, task, args, done, last=False):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The command line: the task and π_θinit (checkpoint.start builds the rest of a run from them).
+# The command line: the task and π_θinit (build_run builds the rest of a run from them).
 
 
 def setup(args, resume_dir=None):
@@ -418,7 +487,7 @@ def setup(args, resume_dir=None):
                         f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows.")
     if not args.demo:
         name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
-        model, tokenizer = checkpoint.load_model(name, args.trust_remote_code)
+        model, tokenizer = models.load_model(name, args.trust_remote_code)
     return task, model, tokenizer
 
 
@@ -440,7 +509,7 @@ def main(argv=None):
         if args.plot is not None:
             if not os.path.isfile(os.path.join(args.plot, "metrics.jsonl")):
                 raise UserError(f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir.")
-            return plot.curves(args.plot)
+            return report.curves(args.plot)
         resume_dir = checkpoint.find(args.output_dir) if args.resume and not args.eval_only else None
         if args.resume and not args.eval_only and resume_dir is None:
             raise UserError(f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "

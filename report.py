@@ -1,7 +1,8 @@
-"""What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (log_step), and the training curves drawn from
-them, OUTPUT_DIR/curves.png. matplotlib is optional; without it, one line says how to get the plot.
+"""What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (written here, truncated here on --resume,
+read back here), the closing before/after table, and the training curves drawn from them, OUTPUT_DIR/curves.png.
+matplotlib is optional; without it, one line says how to get the plot.
 
-    python plot.py OUTPUT_DIR            # the same as: python train.py --plot OUTPUT_DIR
+    python report.py OUTPUT_DIR          # the same as: python train.py --plot OUTPUT_DIR
 
 Four panels by step: the mean reward of each reward function (the evaluations on held-out questions as large
 markers), the KL to the reference, the completion length, and the fraction of groups whose rewards were all equal
@@ -13,21 +14,51 @@ import sys
 
 import numpy as np
 
+import distributed
+
+
+def read_rows(path):
+    """The rows of a metrics.jsonl, in order. A blank line is skipped, and so is a line cut short by a kill in the
+    middle of a write (with a message)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                print(f"metrics.jsonl: skipping a line cut short: {line[:80]!r}", file=sys.stderr)
+    return rows
+
 
 def read_metrics(output_dir):
-    """The step rows and the evaluation rows of OUTPUT_DIR/metrics.jsonl (a line cut short by a kill is skipped)."""
+    """The step rows and the evaluation rows of OUTPUT_DIR/metrics.jsonl."""
     steps, evals = [], []
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if any(k.startswith("eval/") for k in row):
-                evals.append(row)
-            elif "reward" in row:
-                steps.append(row)
+    for row in read_rows(os.path.join(output_dir, "metrics.jsonl")):
+        if any(k.startswith("eval/") for k in row):
+            evals.append(row)
+        elif "reward" in row:
+            steps.append(row)
     return steps, evals
+
+
+def open_log(output_dir, resumed_at=None):
+    """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
+    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
+    Under torchrun every rank reads it, and rank 0 alone writes it."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "metrics.jsonl")
+    kept = []
+    if resumed_at is not None and os.path.isfile(path):
+        kept = [row for row in read_rows(path) if row["step"] <= resumed_at]
+    distributed.barrier()  # every rank has read it before rank 0 rewrites it
+    if distributed.is_main():
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+    evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
+             for row in kept if any(k.startswith("eval/") for k in row)]
+    return path, evals
 
 
 def curves(output_dir):
@@ -37,7 +68,7 @@ def curves(output_dir):
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"no plot: matplotlib is not installed (pip install matplotlib, then python plot.py {output_dir})")
+        print(f"no plot: matplotlib is not installed (pip install matplotlib, then python report.py {output_dir})")
         return None
     if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
         print(f"no plot: there is no {output_dir}/metrics.jsonl")
@@ -80,7 +111,7 @@ def curves(output_dir):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python plot.py OUTPUT_DIR")
+        raise SystemExit("usage: python report.py OUTPUT_DIR")
     curves(sys.argv[1])
 
 

@@ -1,0 +1,82 @@
+"""The models of a run: π_θinit loaded by name or directory, the frozen reference π_ref (Algorithm 1's lines 1 and
+3), and LoRA adapters (peft, optional)."""
+import copy
+import os
+import re
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import sampling
+from errors import UserError
+
+
+SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECASE)
+
+
+def resolve_model_name(name):
+    """--model as typed -> what from_pretrained gets: a local directory as is; a SmolLM2 short name
+    ("SmolLM2-1.7B-Instruct", any case) -> "HuggingFaceTB/SmolLM2-1.7B-Instruct"; anything else (a hub id) as is."""
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    match = SMOLLM2_SHORT.fullmatch(name.strip())
+    if match:
+        return f"HuggingFaceTB/SmolLM2-{match.group(1).upper()}" + ("-Instruct" if match.group(2) else "")
+    return name
+
+
+def load_model(name, trust_remote_code=False):
+    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried."""
+    resolved = resolve_model_name(name)
+    local = os.path.abspath(os.path.expanduser(name))
+    try:
+        kw = dict(trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch.float32, **kw)
+    except Exception as e:  # OSError (missing / offline), ValueError (unknown architecture), HFValidationError, ...
+        reason = " ".join(str(e).split())[:400]
+        hub = "" if os.path.isdir(local) else f"; the Hugging Face hub id {resolved!r} ({reason})"
+        raise UserError(
+            f"could not load model {name!r}. Tried: the local directory {local} "
+            f"({'exists, but loading failed: ' + reason if os.path.isdir(local) else 'not found'}){hub}. "
+            "Pass a local directory holding config.json and the weights, a full hub id such as "
+            "HuggingFaceTB/SmolLM2-1.7B-Instruct, or a SmolLM2 short name (SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, "
+            "each with or without -Instruct). On a machine without network, download the model elsewhere and pass its "
+            "directory; models with custom code also need --trust-remote-code.") from None
+    return model, sampling.prepare_tokenizer(tokenizer)
+
+
+def reference_model(model, beta, dtype, device, copy_model=True):
+    """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL term, no reference
+    model at all). copy_model=False freezes `model` itself (on --resume the policy is loaded from the checkpoint).
+    Its parameters are stored in the autocast dtype, if any: it is never trained. Its buffers (the rotary
+    embedding's inverse frequencies) stay fp32, as the policy's do: in bf16 they would turn every position's
+    rotation angle by up to 0.4% and raise the KL floor between identical models. Cast before the move: no fp32
+    copy on the device."""
+    if beta == 0:
+        return None
+    ref = copy.deepcopy(model) if copy_model else model
+    ref.requires_grad_(False).eval()
+    if dtype is not None:
+        for p in ref.parameters():
+            p.data = p.data.to(dtype)
+    return ref.to(device)
+
+
+def add_lora(model, args, resume_dir=None):
+    """--lora-rank: the PeftModel with LoRA adapters on --lora-target-modules (every other weight frozen), or, on
+    --resume, with the checkpoint's adapter. peft is imported only here: it stays optional."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("--lora-rank needs peft, which is not installed: pip install peft") from None
+    targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        if resume_dir is not None:
+            return peft.PeftModel.from_pretrained(model, os.path.join(resume_dir, "adapter"), is_trainable=True)
+        return peft.get_peft_model(model, config)
+    except (ValueError, RuntimeError, OSError) as e:  # no such module; an adapter for another model
+        raise UserError(f"LoRA: {' '.join(str(e).split())[:300]} (--lora-target-modules {args.lora_target_modules}"
+                        + (f"; the adapter in {resume_dir}/adapter" if resume_dir else "") + ").") from None
