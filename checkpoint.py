@@ -94,7 +94,7 @@ def check_same_architecture(initial, saved, model_name, resume_dir):
                         + ", ".join(differ) + "). Pass the --model the run started from.")
 
 
-# The flags a resumed run may change (README: Checkpoints and resume). Every other flag must be the checkpoint's: the
+# The flags a resumed run may change (docs/reliability.md). Every other flag must be the checkpoint's: the
 # run would otherwise not continue the one it resumes. Paths may move; --steps stretches or shortens the LR schedule.
 MAY_CHANGE_ON_RESUME = {"resume", "steps", "eval_every", "save_every", "sample_every", "eval_only", "eval_limit",
                         "eval_samples", "eval_temperature", "eval_seed", "eval_batch_size", "eval_data",

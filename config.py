@@ -195,7 +195,7 @@ def add_run_flags(p):
 # --demo swaps in these defaults (a flag given on the command line still wins). Tuned on the 2-core CPU: 16 prompts x
 # G=8 per step and mu=4 updates per batch (generation dominates a tiny model's step, so reusing samples is cheap).
 # With --lora-rank the demo's adapters include the lm-head: its tiny model's answer tokens live in a frozen (tied)
-# embedding that q_proj/v_proj adapters alone cannot reshape (README: LoRA).
+# embedding that q_proj/v_proj adapters alone cannot reshape (docs/lora.md).
 DEMO_DEFAULTS = dict(model="demo", steps=150, batch_size=8, gradient_accumulation_steps=2, num_generations=8,
                      num_iterations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, lr=2e-3, beta=0.04,
                      lora_target_modules="q_proj,v_proj,lm_head", eval_every=50, eval_samples=4, eval_temperature=1.0,

@@ -116,8 +116,8 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# What a run prints: one line per step on stdout, the same fields as JSON in OUTPUT_DIR/metrics.jsonl (README: What
-# is logged), a sampled completion now and then, the header and the closing before/after table.
+# What a run prints: one line per step on stdout, the same fields as JSON in OUTPUT_DIR/metrics.jsonl
+# (docs/logging.md), a sampled completion now and then, the header and the closing before/after table.
 
 
 def step_metrics(reward, per_fn, lengths, truncated, group_size, updates, times, steps_left, scheduler):

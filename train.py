@@ -318,7 +318,7 @@ def count_zero_std(streak, frac_zero_std, args, done):
     stop = 0 < args.stop_when_zero_std <= streak and done < args.steps
     if stop:
         print(f"stopping after step {done}: {streak} steps in a row had no reward spread in any group "
-              "(--stop-when-zero-std); README, Results: what to do then.", flush=True)
+              "(--stop-when-zero-std); docs/results.md: what to do then.", flush=True)
     return streak, stop
 
 
