@@ -27,7 +27,7 @@ import grpo  # noqa: E402
 import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
-from test_grpo import read_metrics, run_tiny, tiny_argv, tiny_rollouts, tiny_reward_model_dir, torchrun  # noqa: E402
+from conftest import read_metrics, run_tiny, tiny_argv, tiny_rollouts, tiny_reward_model_dir, torchrun  # noqa: E402
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HAS_DYNAMO = torch._dynamo.is_dynamo_supported()

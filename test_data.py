@@ -1,0 +1,237 @@
+"""data.py: loading GSM8K (and its download cache), prompts and the system prompt, batches as a pure function of seed
+and step, and your own task's JSONL rows and held-out rows. Files are written under tmp_path; nothing is downloaded.
+"""
+import io
+import json
+import os
+import urllib.error
+
+import pytest
+
+import config
+import data
+import demo
+import sampling
+import train
+from conftest import CPU, own_task_argv, read_metrics, tiny_argv, write_gsm8k, write_rows
+from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k
+from rewards import format_reward
+
+
+def gsm8k_line(question: str, answer: str) -> str:
+    return json.dumps({"question": question, "answer": answer}) + "\n"
+
+
+def write(tmp_path, text: str, name: str = "rows.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# --- data.py: loading GSM8K -------------------------------------------------------------------------------------------
+
+
+def test_load_gsm8k_parses_final_numbers_with_commas_and_negatives(tmp_path):
+    path = write(
+        tmp_path,
+        gsm8k_line("How many clips?", "48/2 = <<48/2=24>>24\n24+48 = <<24+48=72>>72\n#### 72")
+        + gsm8k_line("How much money?", "She has $1,000 + $234.\n#### 1,234")
+        + "\n"  # blank lines are skipped
+        + gsm8k_line("What is the change in temperature?", "It falls 3 degrees.\n#### -3"),
+    )
+    assert load_gsm8k(path=path) == [
+        {"question": "How many clips?", "answer": "72"},
+        {"question": "How much money?", "answer": "1234"},
+        {"question": "What is the change in temperature?", "answer": "-3"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"question": "q", "answer": "#### 1"\n', "malformed JSON"),
+        ('{"answer": "#### 1"}\n', "'question'"),
+        ('{"question": "q"}\n', "'answer'"),
+        ('{"question": "q", "answer": 7}\n', "'answer'"),
+        ('["q", "#### 1"]\n', "JSON object"),
+        ('{"question": "q", "answer": "no marker, 5"}\n', "####"),
+        ('{"question": "q", "answer": "#### five"}\n', "not a number"),
+    ],
+)
+def test_load_gsm8k_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    path = write(tmp_path, gsm8k_line("ok", "#### 1") + gsm8k_line("ok", "#### 2") + bad_line)
+    with pytest.raises(ValueError, match=message) as error:
+        load_gsm8k(path=path)
+    assert f"{path}:3:" in str(error.value)
+
+
+def test_load_gsm8k_empty_file_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        load_gsm8k(path=write(tmp_path, ""))
+
+
+def test_load_gsm8k_without_network_says_to_pass_data_path(tmp_path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise urllib.error.URLError("no route to host")
+
+    monkeypatch.setattr(data, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
+    with pytest.raises(RuntimeError, match="--data PATH"):
+        load_gsm8k("train")
+    assert not os.path.exists(tmp_path / "cache" / "train.jsonl")  # nothing half-written is cached
+
+
+def test_load_gsm8k_downloads_once_then_reuses_the_cache(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_urlopen(url, timeout):
+        calls.append(url)
+        return io.BytesIO(gsm8k_line("q", "#### 1,000").encode())
+
+    monkeypatch.setattr(data, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(data.urllib.request, "urlopen", fake_urlopen)
+    assert load_gsm8k("test") == [{"question": "q", "answer": "1000"}]
+    assert load_gsm8k("test") == [{"question": "q", "answer": "1000"}]
+    assert calls == [data.GSM8K_URL.format(split="test")]
+    assert os.listdir(tmp_path / "cache") == ["test.jsonl"]  # no temporary file left behind
+
+
+# --- data.py: prompts and the system prompt ---------------------------------------------------------------------------
+
+
+def test_system_prompt_asks_for_both_tags_and_shows_the_joel_example():
+    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+        assert tag in SYSTEM_PROMPT
+    assert "Joel has 24 cookies" in SYSTEM_PROMPT
+    # the worked example itself earns full format credit
+    assert format_reward([SYSTEM_PROMPT.split("Question:")[-1]]) == [0.5]
+
+
+def test_build_prompt_uses_the_chat_template_with_generation_prompt():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")), unk_token="[UNK]"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    prompt = build_prompt(tokenizer, "What is 2 + 3?", system_prompt="Be brief.")
+    assert prompt == "<|system|>Be brief.\n<|user|>Question: What is 2 + 3?\n<|assistant|>"
+
+
+def test_build_prompt_without_chat_template_falls_back_to_plain_text():
+    class BaseTokenizer:
+        chat_template = None
+
+    prompt = build_prompt(BaseTokenizer(), "What is 2 + 3?", system_prompt="Be brief.")
+    assert prompt == "Be brief.\n\nQuestion: What is 2 + 3?\nAnswer:\n"
+
+
+def test_plain_text_prompt_starts_with_the_bos_token_id_when_the_tokenizer_has_one():
+    tokenizer = demo.word_tokenizer(["<pad>", "<eos>", "<s>", "Be", "brief."], unk_token="<pad>")
+    tokenizer.add_special_tokens({"bos_token": "<s>"})  # as a base model's tokenizer has it: a special token
+    assert tokenizer.chat_template is None
+    ids, _ = sampling.tokenize_prompts(tokenizer, [build_prompt(tokenizer, "2?", system_prompt="Be brief.")], "cpu")
+    assert ids[0, :3].tolist() == [2, 3, 4]  # <s> Be brief.
+
+
+def test_system_prompt_takes_text_or_a_file_and_defaults_by_task(tmp_path):
+    tokenizer = demo.word_tokenizer(demo.WORDS)  # no chat template: the plain-text prompt shows the system prompt
+    (tmp_path / "system.txt").write_text("Be brief.\nVery.")
+    for flag, expected in [([], "1 + 1 =\n"),
+                           (["--system-prompt", "Be brief.\\nVery."], "Be brief.\nVery.\n\n1 + 1 =\n"),
+                           (["--system-prompt", f"@{tmp_path / 'system.txt'}"], "Be brief.\nVery.\n\n1 + 1 =\n")]:
+        task = data.task_from_flags(config.parse_args(own_task_argv(tmp_path, *flag)))
+        assert task.prompt(tokenizer, "1 + 1 =") == expected
+    gsm8k = [*CPU, "--data", write_gsm8k(tmp_path / "gsm.jsonl"), "--eval-every", "-1"]
+    assert data.task_from_flags(config.parse_args(gsm8k)).prompt(tokenizer, "q").startswith(SYSTEM_PROMPT)
+    no_system = data.task_from_flags(config.parse_args([*gsm8k, "--system-prompt", ""]))
+    assert no_system.prompt(tokenizer, "q") == "Question: q\nAnswer:\n"
+    with pytest.raises(config.UserError, match="--system-prompt @.*could not read the file"):
+        config.parse_args([*gsm8k, "--system-prompt", f"@{tmp_path / 'missing.txt'}"])
+
+
+# --- data.py: batches, a pure function of seed and step ---------------------------------------------------------------
+
+
+def test_batches_shuffle_each_epoch_and_cover_every_row_once():
+    rows = list(range(10))
+    batches = [batch_at(rows, 3, 0, step) for step in range(6)]  # 3 batches per epoch
+    epoch0 = [row for batch in batches[:3] for row in batch]
+    epoch1 = [row for batch in batches[3:] for row in batch]
+    assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9  # no repeats within an epoch
+    assert epoch0 != epoch1  # a new epoch reshuffles
+    assert epoch0 != rows[:9]  # and the order is shuffled at all
+
+
+def test_batches_depend_on_seed_and_step_alone_so_a_resumed_run_sees_the_same_ones():
+    rows = [{"question": str(i), "answer": str(i)} for i in range(25)]
+    straight = [batch_at(rows, 4, 7, step) for step in range(12)]
+    resumed = [batch_at(list(rows), 4, 7, step) for step in range(5, 12)]  # a fresh process, from step 5
+    assert resumed == straight[5:]
+    assert batch_at(rows, 4, 7, 9) == straight[9]
+    assert batch_at(rows, 4, 8, 9) != straight[9]  # another seed, another order
+
+
+def test_batch_at_rejects_batch_larger_than_the_data():
+    with pytest.raises(ValueError):
+        batch_at([1, 2], batch_size=3, seed=0, step=0)
+
+
+def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
+    rows = list(range(20))
+    assert batch_at(rows, 4, 7, 3, stream=1) == batch_at(rows, 4, 7, 3, stream=1) != batch_at(rows, 4, 7, 3)
+    assert batch_at(rows, 4, 7, 3, stream=0) == batch_at(rows, 4, 7, 3)
+
+
+# --- your own task's data: any JSONL, its fields, its held-out rows ---------------------------------------------------
+
+
+def test_any_jsonl_is_read_with_its_fields_as_they_are(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", [{"q": "Say hi", "gold": {"any": ["json"]}, "level": 3},
+                                                {"q": "Say bye", "gold": 7}])
+    assert data.load_jsonl(path, "q", "gold") == [
+        {"question": "Say hi", "answer": {"any": ["json"]}, "fields": {"level": 3}},
+        {"question": "Say bye", "answer": 7, "fields": {}}]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "p"}', "{path}:2: no answer field 'answer' (fields: prompt)"),
+    ('{"answer": "a"}', "{path}:2: the prompt field 'prompt' is missing (fields: answer)"),
+    ('{"prompt": ["p"], "answer": "a"}', "{path}:2: the prompt field 'prompt' is a list, not a string"),
+    ('{"prompt": "p", ', "{path}:2: malformed JSON"),
+    ('["p", "a"]', "{path}:2: expected a JSON object, got list"),
+])
+def test_a_bad_row_of_your_own_jsonl_names_its_file_and_line(tmp_path, capsys, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "p", "answer": "a"}\n' + line + "\n")
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = str(path)
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_your_own_task_evaluates_on_eval_data_with_the_same_fields_and_never_downloads_gsm8k(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setattr(data, "_download", lambda split: pytest.fail("downloaded GSM8K for a task that is not GSM8K"))
+    args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0"))
+    assert data.task_from_flags(args).eval == []
+    assert "no --eval-data: this task is not GSM8K, so there is no evaluation" in capsys.readouterr().out
+    held_out = write_rows(tmp_path / "held_out.jsonl", [{"prompt": "9 + 1 =", "answer": "10", "id": 9}])
+    args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0", "--eval-data", held_out))
+    assert data.task_from_flags(args).eval == [{"question": "9 + 1 =", "answer": "10", "fields": {"id": 9}}]
+    with pytest.raises(config.UserError, match="--eval-only on your own task needs its held-out rows"):
+        data.task_from_flags(config.parse_args(own_task_argv(tmp_path, "--eval-only")))
+
+
+def test_the_demo_refuses_data_flags_but_takes_reward_flags(tmp_path):
+    with pytest.raises(config.UserError, match="--demo brings its own task; drop --prompt-field"):
+        config.parse_args([*CPU, "--demo", "--prompt-field", "q"])
+    run_dir = tmp_path / "demo"
+    train.main(tiny_argv(run_dir, "--reward-fn", "format"))
+    (row,) = read_metrics(run_dir)
+    assert "rewards/format" in row and "rewards/correctness" not in row

@@ -1,0 +1,467 @@
+"""rewards.py: answer extraction, correctness, format, the overlong penalty, extreme inputs and fuzz, every gold
+answer of the real GSM8K (where it is found beside the repository), your own reward functions (--reward-fn) and
+reward models (--reward-model). Logged rewards are float32 means: sums of them are compared at 1e-6.
+"""
+import os
+import random
+import re
+import sys
+import time
+from decimal import Decimal
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import config
+import data
+import rewards
+import train
+from conftest import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
+from data import batch_at, load_gsm8k
+from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
+
+# The real GSM8K files, shared beside the repository and not copied into it.
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k")
+
+
+def check_all_rewards(completions: list[str]) -> None:
+    answers = ["42"] * len(completions)
+    correctness, form = correctness_reward(completions, answers), format_reward(completions, answers)
+    for c, f, completion in zip(correctness, form, completions):
+        assert type(c) is float and c in (0.0, 1.0)
+        assert type(f) is float and f in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+        answer = extract_answer(completion)
+        assert answer is None or isinstance(answer, str)
+
+
+EXTREMES = [
+    "",
+    "x" * 100_000,
+    "9" * 100_000,
+    "<answer>" + "9" * 100_000 + "</answer>",
+    "<think>" + "1," * 50_000 + "</think><answer>" + "-1." * 30_000 + "</answer>",
+    "<answer>" + " " * 100_000 + "42</answer>",
+    "<answer>" * 20_000 + "</answer>" * 20_000,
+    "<answer><answer>4</answer>",
+    "<think><think></answer></answer><answer>",
+    "<think>日本語の推論 🤔</think><answer>４２ or ٤٢</answer>",  # non-ASCII digits are not numbers here
+    "<think>\x00\x00</think><answer>\x0042\x00</answer>",
+    "<answer>$-,.,$</answer>",
+    "\ud800<answer>1</answer>",  # a lone surrogate
+]
+
+
+def write_module(tmp_path, name, source):
+    """A user's reward file `name`.py in tmp_path, importable afresh (no earlier module of that name cached)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    sys.modules.pop(name, None)
+    return name
+
+
+RAISING_REWARDS = """
+seen = []
+def picky(completions, answers, id):
+    seen.append(list(completions))
+    return [1.0 / (i - 3) for i in id]           # ZeroDivisionError on the completions of the row with id 3
+def batch_only(completions, answers):
+    if len(completions) > 1:
+        raise RuntimeError("only fails on batches")
+    return [0.0]
+def words(completions, answers):
+    return ["one"] * len(completions)
+def short(completions, answers):
+    return [0.0] * (len(completions) - 1)
+def nothing(completions, answers):
+    return None
+"""
+
+
+def generator_that_raises(completions, answers):
+    yield 1.0
+    yield 1 / 0
+
+
+# --- extraction -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<answer>42</answer>", "42"),
+        ("<answer>\n  42 \n</answer>", "42"),  # whitespace and newlines
+        ("<answer>$42</answer>", "42"),  # dollar sign
+        ("<answer>1,234</answer>", "1234"),  # thousands commas
+        ("<answer>$1,234,567</answer>", "1234567"),
+        ("<answer>42.</answer>", "42"),  # trailing period
+        ("<answer>18.00</answer>", "18"),  # trailing zeros after the point
+        ("<answer>0.50</answer>", "0.5"),
+        ("<answer>-5</answer>", "-5"),  # negative
+        ("<answer>The answer is 42.</answer>", "42"),  # words around the number
+        ("<answer>12 + 30 = 42 cookies</answer>", "42"),  # the last number in the block
+        ("<answer>5-3</answer>", "3"),  # a minus after a digit is subtraction, not a sign
+        ("<answer>1</answer> then <answer>2</answer>", "2"),  # the last block
+    ],
+)
+def test_extract_answer_tolerance(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "The answer is 42.",  # no answer block
+        "42 <answer></answer>",  # number outside the block, empty block
+        "<answer>   </answer>",  # blank block
+        "<answer>forty-two</answer>",  # words instead of digits
+        "<answer>42",  # never closed
+        "42</answer>",  # never opened
+        "</answer>42<answer>",  # tags in the wrong order
+        "<answer>" + "9" * 51 + "</answer>",  # longer than MAX_NUMBER_CHARS
+    ],
+)
+def test_extract_answer_none_without_a_number_in_a_complete_block(completion):
+    assert extract_answer(completion) is None
+
+
+def test_extract_answer_nested_and_unclosed_tags_read_the_innermost_last_block():
+    assert extract_answer("<answer>1 <answer>2</answer>") == "2"
+    assert extract_answer("<answer>1</answer> <answer>2") == "1"  # a truncated last block is ignored
+
+
+# --- correctness ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion",
+    ["<answer>18</answer>", "<answer>18.0</answer>", "<answer>18.00</answer>", "<answer>$18</answer>",
+     "<answer>The total is $18.</answer>", "<think>9 + 9</think>\n<answer>\n18\n</answer>"],
+)
+def test_correctness_18_equals_18_point_0_and_dollar_18(completion):
+    assert correctness_reward([completion], ["18"]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("<answer>1235</answer>", "1234"),  # off by one
+        ("<answer>12345</answer>", "1234"),  # the reference is a prefix
+        ("<answer>123</answer>", "1234"),  # a prefix of the reference
+        ("<answer>5</answer>", "-5"),  # the sign matters
+        ("1234 <answer>0</answer>", "1234"),  # the right number outside the block
+        ("<answer>1234</answer><answer></answer>", "1234"),  # the last block is empty
+        ("<answer>one thousand two hundred thirty-four</answer>", "1234"),  # words
+        ("The answer is 1234", "1234"),  # no block at all
+    ],
+)
+def test_correctness_traps_score_zero(completion, answer):
+    assert correctness_reward([completion], [answer]) == [0.0]
+
+
+def test_correctness_reference_with_commas_negative_and_decimal():
+    completions = ["<answer>1234</answer>", "<answer>-3</answer>", "<answer>.5 is 0.5</answer>"]
+    assert correctness_reward(completions, ["1,234", "-3", "0.5"]) == [1.0, 1.0, 1.0]
+
+
+def test_correctness_reference_that_is_not_a_number_scores_zero():
+    assert correctness_reward(["<answer>1</answer>", "<answer>1</answer>"], ["one", ""]) == [0.0, 0.0]
+
+
+# --- format -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("just 42", 0.0),  # no tags
+        ("<think>hmm", 0.1),  # partial
+        ("<think>hmm</think>", 0.2),
+        ("<think>hmm</think><answer>", 0.3),
+        ("<think>hmm</think><answer>42</answer>", 0.5),  # full
+        ("<think>a</think>\n<answer>The answer is 42.</answer>", 0.5),
+        ("<think>hmm</think><answer></answer>", 0.4),  # empty answer: no number credit
+        ("<think>hmm</think><answer>forty-two</answer>", 0.4),  # words: no number credit
+        ("<think><think>a</think></think><answer>1</answer></answer>", 0.5),  # repeats earn nothing extra
+        ("<think></think>" * 5 + "<answer>1</answer>" * 5, 0.5),
+        ("<answer>42</answer>", 0.1),  # no <think>: only the number credit
+        ("</answer><answer></think><think>", 0.1),  # all tags, wrong order: only <think> counts
+    ],
+)
+def test_format_reward(completion, expected):
+    assert format_reward([completion]) == [expected]
+
+
+def test_format_reward_ignores_answers_to_fit_the_contract():
+    assert format_reward(["<think>a</think><answer>1</answer>"], ["999"]) == [0.5]
+
+
+# --- overlong (DAPO eq. 13) -------------------------------------------------------------------------------------------
+
+
+def test_overlong_penalty_max_100_cache_20_lengths_50_90_110_give_0_minus_half_minus_1():
+    assert overlong_penalty([50, 90, 110], max_tokens=100, cache_tokens=20) == [0.0, -0.5, -1.0]
+
+
+def test_overlong_penalty_edges_80_is_0_and_100_is_minus_1():
+    assert overlong_penalty([80, 100], max_tokens=100, cache_tokens=20) == [0.0, -1.0]
+
+
+def test_overlong_reward_is_dapo_eq_13_of_the_token_counts():
+    overlong = rewards.overlong_reward(max_tokens=10, buffer=4)  # 0 up to 6 tokens, then linear to -1 at 10
+    assert overlong(["a"] * 5, [None] * 5, completion_lengths=[1, 6, 7, 8, 10]) == [0.0, 0.0, -0.25, -0.5, -1.0]
+
+
+# --- robustness: extreme inputs and fuzz ------------------------------------------------------------------------------
+
+
+def test_rewards_on_extreme_inputs_return_floats_in_range():
+    check_all_rewards(EXTREMES)
+    assert extract_answer(EXTREMES[9]) is None  # full-width and Arabic-Indic digits
+    assert correctness_reward(EXTREMES[-3:], ["42", "42", "1"]) == [1.0, 0.0, 1.0]
+
+
+def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
+    pieces = ["<think>", "</think>", "<answer>", "</answer>", "<answer", "answer>", "<", ">", "/",
+              "0", "1", "42", "9" * 60, "-", "$", ",", ".", " ", "\n", "\x00", "é", "🙂", "\\d+"]
+    rng = random.Random(0)
+    completions = ["".join(rng.choices(pieces, k=rng.randint(0, 60))) for _ in range(10_000)]
+    check_all_rewards(completions)
+
+
+# --- the real data ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason=f"GSM8K not found at {GSM8K_DIR}")
+def test_real_gsm8k_every_gold_answer_scores_1_and_gold_plus_1_scores_0():
+    rows = []
+    for split, count in (("train", 7473), ("test", 1319)):
+        split_rows = load_gsm8k(path=os.path.join(GSM8K_DIR, f"{split}.jsonl"))
+        assert len(split_rows) == count
+        rows += split_rows
+    answers = [row["answer"] for row in rows]
+    right = [f"<think>...</think><answer>{a}</answer>" for a in answers]
+    wrong = [f"<think>...</think><answer>{Decimal(a) + 1}</answer>" for a in answers]
+    start = time.perf_counter()
+    assert correctness_reward(right, answers) == [1.0] * len(rows)
+    assert format_reward(right) == [0.5] * len(rows)
+    assert correctness_reward(wrong, answers) == [0.0] * len(rows)
+    print(f"scored {len(rows)} rows x 3 in {time.perf_counter() - start:.3f}s")
+
+
+# --- your own reward functions: --reward-fn, names, weights, the arguments they declare -------------------------------
+
+
+def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monkeypatch):
+    """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
+    --reward-fn my_rewards:exact --reward-weights 1.0 (in process, from the directory holding my_rewards.py)."""
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "my_rewards_exact", "def exact(completions, answers):\n"
+                 "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
+                 "def lengthy(completions, answers):\n"
+                 "    return [float(len(c.split())) for c in completions]\n")
+    train.main(own_task_argv(tmp_path, "--reward-fn", "my_rewards_exact:exact", "--reward-fn",
+                             "my_rewards_exact:lengthy", "--reward-weights", "1.0,0.25"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert {k for k in row if k.startswith("rewards/")} == {"rewards/exact", "rewards/exact_std", "rewards/lengthy",
+                                                             "rewards/lengthy_std"}
+    assert row["reward"] == pytest.approx(row["rewards/exact"] + 0.25 * row["rewards/lengthy"], abs=1e-6)
+    assert row["rewards/lengthy"] > 0  # 1 to 4 words per completion
+
+
+def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given(tmp_path):
+    train.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert {k for k in row if k.startswith("rewards/") and not k.endswith("_std")} == {"rewards/format",
+                                                                                        "rewards/correctness"}
+    assert row["accuracy"] == row["rewards/correctness"]
+    args = config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format"))
+    task, _, _ = train.setup(args)
+    assert [(r.name, r.fn, r.weight) for r in task.rewards] == [("format", format_reward, 1.0)]
+    args = config.parse_args(own_task_argv(tmp_path))  # no --reward-fn: the built-in pair, every weight 1.0
+    task, _, _ = train.setup(args)
+    assert [(r.name, r.weight) for r in task.rewards] == [("correctness", 1.0), ("format", 1.0)]
+
+
+def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_with_the_completions():
+    seen = {}
+
+    def declares(completions, answers, prompts, id):
+        seen["declares"] = (prompts, id)
+        return [0.0] * len(completions)
+
+    def takes_all(completions, answers, **fields):
+        seen["takes_all"] = fields
+        return [1.0] * len(completions)
+
+    def plain(completions, answers):
+        return [2.0] * len(completions)
+
+    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
+            {"question": "q1", "answer": [2], "fields": {"id": 8}}]
+    task = data.Task(train=rows, eval=[], prompt=None, response_prefix="> ", rewards=rewards.weighted(
+        [("declares", declares), ("takes_all", takes_all), ("plain", plain)], [1.0, 1.0, 0.5]))
+    total, per_fn = task.score(rows, ["a", "b", "c", "d"], G=2)
+    assert seen["declares"] == (["q0", "q0", "q1", "q1"], [7, 7, 8, 8])
+    assert seen["takes_all"] == {"prompts": ["q0", "q0", "q1", "q1"], "id": [7, 7, 8, 8],
+                                 "tag": ["a", "a", None, None]}  # a row without the field: None
+    assert total.tolist() == [2.0] * 4 and per_fn["plain"].tolist() == [2.0] * 4
+
+
+def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "needs_more", "def wants_topic(completions, answers, topic):\n    return [0.0]\n"
+                                          "def one_arg(completions):\n    return [0.0]\n")
+    for fn, message in [("wants_topic", "requires the argument 'topic', which is neither `prompts`, "
+                                        "`completion_lengths` nor a field of the data rows (fields: id)"),
+                        ("one_arg", "must take two arguments, (completions, answers)")]:
+        with pytest.raises(config.UserError, match=re.escape(message)):
+            train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}")))
+
+
+@pytest.mark.parametrize("spec, source, message", [
+    ("brevity", None, "expected MODULE:FUNCTION (e.g. my_rewards:brevity"),
+    ("no_such_module_here:f", None, "there is no module 'no_such_module_here': no no_such_module_here.py in the "
+                                    "working directory"),
+    ("user_mod:missing", "def exact(c, a):\n    return c\n", "has no function 'missing'; its functions: exact"),
+    ("user_mod:VALUE", "VALUE = 3\n", "has no function 'VALUE'"),
+    ("user_mod:f", "import numpy\nx = 1 / 0\n", "importing user_mod raised ZeroDivisionError: division by zero "
+                                                "(user_mod.py:2)"),
+    ("user_mod:f", "def f(c, a)\n", "(user_mod.py, line 1)."),  # a SyntaxError's own text varies by Python version
+    ("user_mod:f", "import no_such_dependency_xyz\n", "importing user_mod failed: No module named "
+                                                      "'no_such_dependency_xyz'"),
+])
+def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(tmp_path, monkeypatch, spec, source, message):
+    monkeypatch.chdir(tmp_path)
+    if source is not None:
+        write_module(tmp_path, "user_mod", source)
+    with pytest.raises(config.UserError, match=re.escape(message)):
+        rewards.load_reward_fn(spec)
+
+
+def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
+    argv = own_task_argv(tmp_path, "--reward-fn", "format,correctness", "--reward-weights", "1,2,3")
+    with pytest.raises(config.UserError, match=re.escape("one weight per reward, in the order: reward functions, then "
+                                                         "reward models, then the overlong penalty (format, "
+                                                         "correctness): 2 numbers, got 3")):
+        train.setup(config.parse_args(argv))
+    with pytest.raises(config.UserError, match="logged under the same name \\(format\\)"):
+        train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")))
+
+
+def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp_path):
+    seen = []
+
+    def wants_id(completions, answers, id):
+        seen.append(id)
+        return [0.0] * len(completions)
+
+    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7}}, {"question": "q1", "answer": 2, "fields": {}}]
+    task = data.Task(train=rows, eval=[], prompt=None, rewards=rewards.weighted([("wants_id", wants_id)], [1.0]))
+    task.score(rows[1:], ["a"])  # a batch in which no row has the field: still passed, as None
+    assert seen == [[None]]
+    path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "a", "prompts": "x"}])
+    with pytest.raises(ValueError, match="bad.jsonl:1: a field may not be named 'prompts'"):
+        data.load_jsonl(path)
+    with pytest.raises(config.UserError, match="no reward may be named 'reward'"):
+        rewards.from_flags(config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)])
+
+
+# --- reward functions that fail or return something else than numbers -------------------------------------------------
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("picky", "reward function 'picky' raised ZeroDivisionError: float division by zero (user_rewards.py:5) on a "
+              "batch of 8 completions; called on completion {first} alone it raises too; that completion began: "
+              "{text}"),
+    ("batch_only", "reward function 'batch_only' raised RuntimeError: only fails on batches (user_rewards.py:8) on a "
+                   "batch of 8 completions; called on each completion alone it does not raise; the batch's first "
+                   "completion began: "),
+    ("words", "reward function 'words' returned 'one' (str) for completion 0, which is not a number."),
+    ("short", "reward function 'short' must return one number per completion (8); it returned 7 values"),
+    ("nothing", "reward function 'nothing' must return one number per completion (8); it returned a NoneType "
+                "(TypeError: 'NoneType' object is not iterable)."),
+])
+def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_completion(tmp_path, monkeypatch, capsys,
+                                                                                      fn, message):
+    monkeypatch.chdir(tmp_path)
+    write_module(tmp_path, "user_rewards", RAISING_REWARDS)
+    argv = own_task_argv(tmp_path, "--reward-fn", f"user_rewards:{fn}", "--seed", "0")  # the id-3 row comes last
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    if fn == "picky":
+        args = config.parse_args(argv)
+        rows = batch_at(data.task_from_flags(args).train, 4, args.seed, 0)
+        first = 2 * [row["fields"]["id"] for row in rows].index(3)  # G = 2 completions per row
+        assert first == 6
+        batch = sys.modules["user_rewards"].seen[0]
+        message = message.format(first=first, text=repr(batch[first][:200]))
+    assert f"error: {message}" in err, err[-600:]
+    assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0  # saved before any update
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda c, a: np.array([[1.0], [2.0]]), [1.0, 2.0]),            # [N, 1] arrays and tensors are flattened
+    (lambda c, a: torch.tensor([[1.0], [2.0]]), [1.0, 2.0]),
+    (lambda c, a: (x for x in [1.0, 2.0]), [1.0, 2.0]),             # a generator is a list
+    (lambda c, a: {0: 1.0, 1: 2.0}, "returned a dict; it must return a list with one number per completion (2)"),
+    (generator_that_raises, "returned a generator (ZeroDivisionError: division by zero (test_rewards.py:"),
+    (lambda c, a: 3.0, "returned a float (TypeError: 'float' object is not iterable"),
+])
+def test_what_a_reward_function_returns_is_a_list_of_numbers_or_one_clear_error(fn, expected):
+    try:
+        got = rewards.score(rewards.weighted([("f", fn)], [1.0]), ["a", "b"], ["1", "2"])[0].tolist()
+    except config.UserError as e:
+        got = str(e)
+    assert got == expected if isinstance(expected, list) else expected in got
+
+
+def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion():
+    def fails(completions, answers):
+        raise ValueError("bad")
+    long = "x" * 150 + "y" * 150
+    with pytest.raises(config.UserError) as info:
+        rewards.score(rewards.weighted([("fails", fails)], [1.0]), [long], ["1"])
+    assert repr("x" * 150 + "y" * 50) + "." in str(info.value) and "y" * 51 not in str(info.value)
+
+
+# --- reward models: --reward-model ------------------------------------------------------------------------------------
+
+
+def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on_cpu(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+    path = tiny_reward_model_dir(tmp_path)
+    scorer = rewards.RewardModel(path, "cpu", batch_size=3)
+    prompts = ["3 + 4 =", "1 + 1 =", "5 + 5 =", "2 + 0 ="]
+    completions = ["<answer> 7", "2", "<answer> 10 </answer>", ""]
+    scores = scorer(completions, [None] * 4, prompts)
+    reference = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    alone = [reference(**scorer.tokenizer(f"{p}\n{c}", return_tensors="pt")).logits[0, 0].item()
+             for p, c in zip(prompts, completions)]
+    # The same fp32 model, padded in batches of 3 vs one text at a time: equal up to summation order (~1e-7).
+    assert scores == pytest.approx(alone, abs=1e-5)
+    assert len(set(scores)) == 4  # the texts differ, and so do their scores
+    params = list(scorer.model.parameters())
+    assert not scorer.model.training and not any(p.requires_grad for p in params)
+    assert {p.dtype for p in params} == {torch.float32}
+
+
+def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_the_functions(tmp_path):
+    path = tiny_reward_model_dir(tmp_path)
+    train.main(own_task_argv(tmp_path, "--reward-fn", "correctness", "--reward-model", path,
+                             "--reward-weights", "1.0,0.5"))
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["reward"] == pytest.approx(row["rewards/correctness"] + 0.5 * row["rewards/tiny-rm"], abs=1e-6)
+    assert row["rewards/tiny-rm_std"] > 0  # the classifier tells the completions apart
+    second = tiny_reward_model_dir(tmp_path, 1, "rm2")
+    args = config.parse_args(own_task_argv(tmp_path, "--reward-model", f"{path},{second}"))
+    assert [r.name for r in train.setup(args)[0].rewards] == ["correctness", "format", "tiny-rm", "rm2"]
+
+
+def test_a_reward_model_must_load_as_a_classifier_with_one_output(tmp_path):
+    with pytest.raises(config.UserError, match="has 2 outputs; a reward model has one"):
+        rewards.RewardModel(tiny_reward_model_dir(tmp_path, num_labels=2))
+    with pytest.raises(config.UserError, match="could not load it as a sequence classifier"):
+        rewards.RewardModel(str(tmp_path / "no-such-model"))
