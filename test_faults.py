@@ -19,6 +19,7 @@ import checkpoint
 import config
 import demo
 import grpo
+import models
 import rewards
 import sampling
 import train
@@ -345,13 +346,13 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
     ("SmolLM2-7B", "SmolLM2-7B"),  # not a SmolLM2 size: left alone (and then fails to load with a clear error)
 ])
 def test_short_names_resolve_to_huggingfacetb_and_hub_ids_pass_through(name, resolved):
-    assert checkpoint.resolve_model_name(name) == resolved
+    assert models.resolve_model_name(name) == resolved
 
 
 def test_an_existing_local_directory_wins_over_the_short_name(tmp_path, monkeypatch):
     (tmp_path / "SmolLM2-135M").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert checkpoint.resolve_model_name("SmolLM2-135M") == "SmolLM2-135M"
+    assert models.resolve_model_name("SmolLM2-135M") == "SmolLM2-135M"
 
 
 @pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",

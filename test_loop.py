@@ -11,7 +11,6 @@ import shlex
 import subprocess
 import sys
 
-import plot
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -21,6 +20,8 @@ import config
 import data
 import demo
 import grpo
+import models
+import report
 import rewards
 import sampling
 import train
@@ -118,7 +119,7 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
     with torch.no_grad():
         expected[:4, :2], entropy[:4, :2] = token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, 1.0, entropy=True)
         expected[4:], entropy[4:] = token_logprobs(model, ids[4:], torch.ones(4, 7), 4, 1.0, entropy=True)
-    optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
+    optimizer = train.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
     update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
                                torch.tensor([1.0, -1.0] * 4), ref_logps=None,
@@ -134,8 +135,8 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
 
 def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, monkeypatch):
     made, logps_calls = [], []
-    real_reference, real_logps = checkpoint.reference_model, train.frozen_logps
-    monkeypatch.setattr(checkpoint, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1])
+    real_reference, real_logps = models.reference_model, train.frozen_logps
+    monkeypatch.setattr(models, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1])
     monkeypatch.setattr(train, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k))
     run_tiny(tmp_path / "run", "--beta", "0")
     assert made == [None]    # no reference model object at all
@@ -189,7 +190,7 @@ def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(tmp_
 
 def test_adamw_is_fused_on_cpu():
     model, _ = demo.model_and_tokenizer(seed=0)
-    optimizer = checkpoint.build_optimizer(model, lr=2e-3, weight_decay=0.0)
+    optimizer = train.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     assert optimizer.defaults["fused"] is True
 
 
@@ -198,7 +199,7 @@ def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_polic
     moves, real_to = [], torch.nn.Module.to
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moves.append(
         (a, {p.dtype for p in self.parameters()})) or real_to(self, *a, **k))
-    ref = checkpoint.reference_model(model, 0.04, sampling.AMP["bf16"], "cpu")
+    ref = models.reference_model(model, 0.04, sampling.AMP["bf16"], "cpu")
     assert moves == [(("cpu",), {torch.bfloat16})]  # one move, parameters already bf16: no fp32 copy on the device
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in ref.buffers()} == {torch.float32}  # the rotary inverse frequencies, as the policy's
@@ -305,7 +306,7 @@ def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_sa
         tmp_path, monkeypatch, targets):
     pytest.importorskip("peft")
     copies, refs, real_logps = [], [], train.frozen_logps
-    monkeypatch.setattr(checkpoint, "reference_model", lambda *a, **k: copies.append(1))
+    monkeypatch.setattr(models, "reference_model", lambda *a, **k: copies.append(1))
     monkeypatch.setattr(train, "frozen_logps", lambda model, *a, **k: refs.append(model) or real_logps(model, *a, **k))
     calls, real_head = [], sampling._LinearLogprobs
 
@@ -448,8 +449,8 @@ def test_curves_png_is_written_at_the_end_of_a_run_and_by_plot_flag(tmp_path):
 def test_curves_without_matplotlib_say_how_to_get_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     run_tiny(tmp_path)
-    assert plot.curves(str(tmp_path)) is None
-    hint = f"no plot: matplotlib is not installed (pip install matplotlib, then python plot.py {tmp_path})"
+    assert report.curves(str(tmp_path)) is None
+    hint = f"no plot: matplotlib is not installed (pip install matplotlib, then python report.py {tmp_path})"
     assert capsys.readouterr().out.count(hint) == 2 and not (tmp_path / "curves.png").exists()
 
 

@@ -24,6 +24,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import demo  # noqa: E402
 import grpo  # noqa: E402
+import models  # noqa: E402
 import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
@@ -185,7 +186,7 @@ def one_update(dtype, mu, beta, checkpointing=False):
     mask = torch.tensor([[1] * n + [0] * (6 - n) for n in [6, 5, 6, 4, 2, 1, 3, 6]])
     rollouts = tiny_rollouts(mask)
     advantages = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4)
-    ref = checkpoint.reference_model(model, beta, amp, "cpu")
+    ref = models.reference_model(model, beta, amp, "cpu")
     ref_logps = None if ref is None else train.frozen_logps(ref, rollouts, 4, amp)
     updates, old = [], None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -239,7 +240,7 @@ def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_i
     # 200-255: k3 floor 7.1e-3 with fp32 buffers, 2.2e-2 with bf16 ones. Asserted: fp32 buffers give at most half
     # the bf16-buffer floor, and under 1e-2.
     model = demo.tiny_llama(97, 0, max_position_embeddings=512, initializer_range=0.3).eval()
-    ref = checkpoint.reference_model(model, 0.04, torch.bfloat16, "cpu")
+    ref = models.reference_model(model, 0.04, torch.bfloat16, "cpu")
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in ref.buffers()} == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
