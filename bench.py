@@ -13,6 +13,7 @@
 Every measurement runs in a fresh subprocess (`bench.py --worker ...`), so one variant's memory never counts against
 another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing is downloaded.
 """
+
 import argparse
 import contextlib
 import copy
@@ -42,19 +43,50 @@ import train
 # Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
 # smollm2-135m and smollm2-1.7b: HuggingFaceTB/SmolLM2-135M- and 1.7B-Instruct's config.json, with random weights.
 CONFIGS = {
-    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=2048),
-    "100m": dict(hidden_size=768, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12, vocab_size=49152),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=49152, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 130000.0}),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=2048,
+    ),
+    "100m": dict(
+        hidden_size=768,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=49152,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+    "smollm2-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 130000.0},
+    ),
 }
 # Per config: prompt tokens, new tokens, timed steps per run (after one warm-up step).
-SHAPES = {"tiny": (40, 64, 5), "100m": (64, 64, 2), "smollm2-135m": (128, 64, 2), "smollm2-1.7b": (128, 300, 3)}
+SHAPES = {
+    "tiny": (40, 64, 5),
+    "100m": (64, 64, 2),
+    "smollm2-135m": (128, 64, 2),
+    "smollm2-1.7b": (128, 300, 3),
+}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -119,12 +151,17 @@ def build_model(name, seed=0):
 
 def build_tokenizer(vocab_size):
     """Word level: "<pad>", "<eos>", then "w0", "w1", ... so a prompt of P words is exactly P tokens."""
-    return demo.word_tokenizer(["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)], unk_token="<pad>")
+    return demo.word_tokenizer(
+        ["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)], unk_token="<pad>"
+    )
 
 
 def build_prompts(n, length, vocab_size, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [" ".join(f"w{i}" for i in torch.randint(vocab_size - 2, (length,), generator=g).tolist()) for _ in range(n)]
+    return [
+        " ".join(f"w{i}" for i in torch.randint(vocab_size - 2, (length,), generator=g).tolist())
+        for _ in range(n)
+    ]
 
 
 def checksum(model):
@@ -156,7 +193,7 @@ class ForcedLengths(LogitsProcessor):
         self.lengths, self.prompt_length, self.eos = lengths, prompt_length, eos
 
     def __call__(self, input_ids, scores):
-        t = input_ids.shape[1] - self.prompt_length                       # completion tokens written so far
+        t = input_ids.shape[1] - self.prompt_length  # completion tokens written so far
         scores[:, self.eos] = float("-inf")
         end = (self.lengths == t + 1).to(scores.device)
         scores[end] = float("-inf")
@@ -171,6 +208,7 @@ def force_lengths(model, lengths):
     def generate(*args, **kwargs):
         processor = ForcedLengths(next(calls), kwargs["input_ids"].shape[1], demo.EOS)
         return real(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
+
     model.generate = generate
 
 
@@ -182,8 +220,19 @@ def worker_logprobs(a):
     """a. Log-probs of N=16 x C=512 completion tokens at V=49,152 through a one-layer Llama (SmolLM2-135M's width),
     so the lm-head and log-softmax dominate. --variant ours: sampling.token_logprobs (chunked lm-head: no [N, C, V]);
     naive: the logits (only the C positions needed), then log_softmax(logits / T).gather. --backward adds a backward."""
-    model = demo.tiny_llama(49152, 0, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                            num_attention_heads=9, num_key_value_heads=3).to(DEVICE).eval()
+    model = (
+        demo.tiny_llama(
+            49152,
+            0,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=1,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+        )
+        .to(DEVICE)
+        .eval()
+    )
     cfg = model.config
     N, C, P, T = 16, 512, 16, 0.9
     ids = torch.randint(cfg.vocab_size, (N, P + C), device=DEVICE)
@@ -194,8 +243,11 @@ def worker_logprobs(a):
         return sampling.token_logprobs(model, ids, attn, C, T)
 
     def naive():
-        logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], logits_to_keep=C).logits  # [N, C, V]
-        return torch.log_softmax(logits.float() / T, dim=-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+        # [N, C, V]
+        logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], logits_to_keep=C).logits
+        return (
+            torch.log_softmax(logits.float() / T, dim=-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+        )
 
     fn = ours if a.variant == "ours" else naive
     times, extras = [], []
@@ -204,7 +256,7 @@ def worker_logprobs(a):
         base = mem_start()
         t0 = time.perf_counter()
         with torch.set_grad_enabled(a.backward):
-            logp = fn()                                                        # [N, C]
+            logp = fn()  # [N, C]
             if a.backward:
                 (logp * weights).sum().backward()
         if DEVICE == "cuda":
@@ -213,33 +265,72 @@ def worker_logprobs(a):
         extras.append(mem_peak() - base)
     out = dict(logp=logp.detach().cpu())
     if a.backward:
-        out.update(head=model.lm_head.weight.grad.cpu(), q=model.model.layers[0].self_attn.q_proj.weight.grad.cpu())
+        out.update(
+            head=model.lm_head.weight.grad.cpu(),
+            q=model.model.layers[0].self_attn.q_proj.weight.grad.cpu(),
+        )
     torch.save(out, a.out)
     return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
 
 
-def our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts, answers, task_rewards, a, record, lengths):
+def our_step(
+    model,
+    ref_model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    prompts,
+    answers,
+    task_rewards,
+    a,
+    record,
+    lengths,
+):
     """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
     G, amp = a.num_generations, sampling.AMP[a.dtype]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
-    objective = train.Objective(epsilon=0.2, epsilon_high=None, beta=a.beta, loss_type="grpo", ratio_level="token",
-                                max_tokens=a.max_new_tokens, delta=None)
+    objective = train.Objective(
+        epsilon=0.2,
+        epsilon_high=None,
+        beta=a.beta,
+        loss_type="grpo",
+        ratio_level="token",
+        max_tokens=a.max_new_tokens,
+        delta=None,
+    )
     with phase(record, "generate"):  # 7: G samples per prompt, one decode, the forced lengths
-        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp, lengths=lengths)
-    with phase(record, "rewards"):   # 8 and 9: rewards and group-relative advantages
+        rollouts = sampling.sample_rollouts(
+            model, tokenizer, prompts, settings, G, amp, lengths=lengths
+        )
+    with phase(record, "rewards"):  # 8 and 9: rewards and group-relative advantages
         reward, _ = rewards.score(task_rewards, rollouts.texts, answers)
         advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
     mask = rollouts.completion_mask
     if mask.sum(1).tolist() != expected_lengths(lengths, a.max_new_tokens):
-        raise RuntimeError(f"completion lengths {mask.sum(1).tolist()} are not the forced ones {lengths.tolist()}")
+        raise RuntimeError(
+            f"completion lengths {mask.sum(1).tolist()} are not the forced ones {lengths.tolist()}"
+        )
     micro = a.batch_size * G
     with phase(record, "ref+old logps"):  # π_ref's log-probs (only when beta > 0)
-        ref_logps = None if ref_model is None else train.frozen_logps(ref_model, rollouts, micro, amp)
-    with phase(record, "policy fwd+bwd+opt"):  # 10-11: mu updates; iteration 1's log-probs are π_old's
+        ref_logps = (
+            None if ref_model is None else train.frozen_logps(ref_model, rollouts, micro, amp)
+        )
+    # 10-11: mu updates; iteration 1's log-probs are π_old's
+    with phase(record, "policy fwd+bwd+opt"):
         old_logps = None
         for _ in range(a.num_iterations):
-            _, logps = train.policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, ref_logps,
-                                           objective=objective, micro_batch_size=micro, amp=amp)
+            _, logps = train.policy_update(
+                model,
+                optimizer,
+                scheduler,
+                rollouts,
+                advantages,
+                old_logps,
+                ref_logps,
+                objective=objective,
+                micro_batch_size=micro,
+                amp=amp,
+            )
             old_logps = logps if a.num_iterations > 1 and old_logps is None else old_logps
     return int(mask.sum())
 
@@ -250,7 +341,8 @@ def worker_ours(a):
     tokenizer = build_tokenizer(model.config.vocab_size)
     start = checksum(model)
     model.to(DEVICE)
-    ref_model = models.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)  # None when beta == 0
+    # None when beta == 0
+    ref_model = models.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)
     if a.compile:  # as train.build_run does for --compile
         for m in [model] + ([ref_model] if ref_model is not None else []):
             sampling.compile_model(m, a.compile)
@@ -266,12 +358,34 @@ def worker_ours(a):
         record = {}
         answers = ["42"] * (B * a.num_generations)
         t0, c0 = time.perf_counter(), time.process_time()
-        tokens.append(our_step(model, ref_model, tokenizer, optimizer, scheduler, prompts[i * B:(i + 1) * B], answers,
-                               task_rewards, a, record, lengths[i].to(DEVICE)))
-        record["step"] = (time.perf_counter() - t0, max(v[1] for v in record.values()), time.process_time() - c0)
+        tokens.append(
+            our_step(
+                model,
+                ref_model,
+                tokenizer,
+                optimizer,
+                scheduler,
+                prompts[i * B : (i + 1) * B],
+                answers,
+                task_rewards,
+                a,
+                record,
+                lengths[i].to(DEVICE),
+            )
+        )
+        record["step"] = (
+            time.perf_counter() - t0,
+            max(v[1] for v in record.values()),
+            time.process_time() - c0,
+        )
         steps.append(record)
-    return dict(checksum=start, tokens=statistics.median(tokens[a.warmup:]), first=steps[0]["step"][0],
-                steps=steps[a.warmup:], peak_bytes=PEAK[0])
+    return dict(
+        checksum=start,
+        tokens=statistics.median(tokens[a.warmup :]),
+        first=steps[0]["step"][0],
+        steps=steps[a.warmup :],
+        peak_bytes=PEAK[0],
+    )
 
 
 def worker_trl(a):
@@ -287,7 +401,8 @@ def worker_trl(a):
     lengths = forced_lengths(a)
     force_lengths(model, lengths)
     tmp = tempfile.mkdtemp(prefix="bench_trl_")
-    if a.beta > 0:  # TRL builds its reference model with from_pretrained(model.config._name_or_path)
+    # TRL builds its reference model with from_pretrained(model.config._name_or_path)
+    if a.beta > 0:
         model.save_pretrained(tmp)
         model.config._name_or_path = tmp
     B = a.batch_size
@@ -298,33 +413,54 @@ def worker_trl(a):
     config = trl_config(a, tmp, n)
     times, record = [], {}
 
-    class StepTimer(TrainerCallback):  # an optimizer step: generation (when due), rewards, log-probs, loss, update
+    # an optimizer step: generation (when due), rewards, log-probs, loss, update
+    class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             times.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
-                          args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
-    same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(start)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
+    same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(
+        start
+    )
     generated = time_phases(trainer, times, record)
     mem_start()  # peak memory from here: the training steps, as PEAK for ours
     trainer.train()
     peak = mem_peak()
     shutil.rmtree(tmp, ignore_errors=True)
     if generated != [x for row in lengths for x in expected_lengths(row, a.max_new_tokens)]:
-        raise RuntimeError(f"TRL's completion lengths {generated} are not the forced ones {lengths.tolist()}")
+        raise RuntimeError(
+            f"TRL's completion lengths {generated} are not the forced ones {lengths.tolist()}"
+        )
     steps = trl_steps(times, record, n, a.num_iterations)
-    tokens = statistics.median(sum(expected_lengths(row, a.max_new_tokens)) for row in lengths[a.warmup:])
-    return dict(checksum=start, same_ref=same_ref, tokens=tokens, first=steps[0]["step"][0], steps=steps[a.warmup:],
-                peak_bytes=peak)
+    tokens = statistics.median(
+        sum(expected_lengths(row, a.max_new_tokens)) for row in lengths[a.warmup :]
+    )
+    return dict(
+        checksum=start,
+        same_ref=same_ref,
+        tokens=tokens,
+        first=steps[0]["step"][0],
+        steps=steps[a.warmup :],
+        peak_bytes=peak,
+    )
 
 
 def trl_reward(fn):
     """Our reward function as TRL calls it: fn(prompts=..., completions=..., <dataset columns>=...)."""
+
     def reward(completions, answer, **kwargs):
         return fn(completions, answer)
+
     reward.__name__ = fn.__name__
     return reward
 
@@ -341,16 +477,23 @@ def time_phases(trainer, times, record):
             t0, c0 = time.perf_counter(), time.process_time()
             out = fn(*args, **kwargs)
             wall, cpu = record.setdefault(len(times), {}).get(name, (0.0, 0.0))
-            record[len(times)][name] = (wall + time.perf_counter() - t0, cpu + time.process_time() - c0)
+            record[len(times)][name] = (
+                wall + time.perf_counter() - t0,
+                cpu + time.process_time() - c0,
+            )
             if name == "generate":
                 lengths.extend(len(c) for c in out[0])
             return out
+
         return wrapper
 
     trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
     trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed("ref+old logps", trainer._get_per_token_logps_and_entropies,
-                                                       when=lambda: not torch.is_grad_enabled())
+    trainer._get_per_token_logps_and_entropies = timed(
+        "ref+old logps",
+        trainer._get_per_token_logps_and_entropies,
+        when=lambda: not torch.is_grad_enabled(),
+    )
     return lengths
 
 
@@ -358,18 +501,41 @@ def trl_config(a, tmp, n):
     """TRL's settings for the same step as ours: same G, new tokens, sampling, beta, mu, batch, lr, optimizer,
     clipping and precision."""
     from trl import GRPOConfig
+
     cuda = DEVICE == "cuda"
     return GRPOConfig(
-        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
-        use_cpu=not cuda, bf16=a.dtype == "bf16", fp16=False, gradient_checkpointing=False,  # TRL defaults: bf16, on
+        output_dir=tmp,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=not cuda,
+        bf16=a.dtype == "bf16",
+        fp16=False,
+        gradient_checkpointing=False,  # TRL defaults: bf16, on
         # TRL counts its batch in completions, not prompts
-        per_device_train_batch_size=a.batch_size * a.num_generations, gradient_accumulation_steps=1,
-        num_generations=a.num_generations, max_completion_length=a.max_new_tokens,
-        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-        beta=a.beta, num_iterations=a.num_iterations, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        per_device_train_batch_size=a.batch_size * a.num_generations,
+        gradient_accumulation_steps=1,
+        num_generations=a.num_generations,
+        max_completion_length=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        beta=a.beta,
+        num_iterations=a.num_iterations,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
         optim="adamw_torch_fused",  # ours: fused AdamW on CUDA and CPU alike (TRL's own default)
-        max_steps=n * a.num_iterations, shuffle_dataset=False, dataloader_num_workers=0)
+        max_steps=n * a.num_iterations,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
 
 
 def trl_steps(times, record, n, mu):
@@ -384,8 +550,10 @@ def trl_steps(times, record, n, mu):
                 old = phases.get(name, [0.0, 0, 0.0])
                 phases[name] = [old[0] + wall, 0, old[2] + cpu]
         # The rest of the step: policy forward (with entropies) + backward + clip + AdamW, and TRL's bookkeeping.
-        phases["policy fwd+bwd+opt"] = [phases["step"][k] - sum(v[k] for p, v in phases.items() if p != "step")
-                                        for k in range(3)]
+        phases["policy fwd+bwd+opt"] = [
+            phases["step"][k] - sum(v[k] for p, v in phases.items() if p != "step")
+            for k in range(3)
+        ]
         steps.append(phases)
     return steps
 
@@ -395,25 +563,70 @@ def trl_steps(times, record, n, mu):
 
 
 def run_worker(a, name, *extra):
-    flags = ["--worker", name, "--config", a.config, "--num-generations", a.num_generations, "--beta", a.beta,
-             "--num-iterations", a.num_iterations, "--batch-size", a.batch_size, "--prompt-len", a.prompt_len,
-             "--max-new-tokens", a.max_new_tokens, "--steps", a.steps, "--warmup", a.warmup, "--lr", a.lr,
-             "--temperature", a.temperature, "--top-p", a.top_p, "--top-k", a.top_k, "--dtype", a.dtype,
-             "--threads", a.threads, *["--real-length"] * a.real_length,
-             *(["--compile", a.compile] if a.compile else []), *extra]
-    python = os.environ.get("BENCH_PYTHON", sys.executable) if name in ("trl", "parity") else sys.executable
-    proc = subprocess.run([python, os.path.abspath(__file__), *map(str, flags)], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    flags = [
+        "--worker",
+        name,
+        "--config",
+        a.config,
+        "--num-generations",
+        a.num_generations,
+        "--beta",
+        a.beta,
+        "--num-iterations",
+        a.num_iterations,
+        "--batch-size",
+        a.batch_size,
+        "--prompt-len",
+        a.prompt_len,
+        "--max-new-tokens",
+        a.max_new_tokens,
+        "--steps",
+        a.steps,
+        "--warmup",
+        a.warmup,
+        "--lr",
+        a.lr,
+        "--temperature",
+        a.temperature,
+        "--top-p",
+        a.top_p,
+        "--top-k",
+        a.top_k,
+        "--dtype",
+        a.dtype,
+        "--threads",
+        a.threads,
+        *["--real-length"] * a.real_length,
+        *(["--compile", a.compile] if a.compile else []),
+        *extra,
+    ]
+    python = (
+        os.environ.get("BENCH_PYTHON", sys.executable)
+        if name in ("trl", "parity")
+        else sys.executable
+    )
+    proc = subprocess.run(
+        [python, os.path.abspath(__file__), *map(str, flags)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.exit(f"worker {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def median_phases(steps):
     """{phase: (median wall s, max extra bytes, median CPU s)} over the timed steps."""
-    return {k: (statistics.median(s[k][0] for s in steps), max(s[k][1] for s in steps),
-                statistics.median(s[k][2] for s in steps)) for k in steps[0]}
+    return {
+        k: (
+            statistics.median(s[k][0] for s in steps),
+            max(s[k][1] for s in steps),
+            statistics.median(s[k][2] for s in steps),
+        )
+        for k in steps[0]
+    }
 
 
 def mib(b):
@@ -428,19 +641,37 @@ def bench_logprobs(a, rows):
     results = {}
     for backward in (False, True):
         for variant in ("naive", "ours"):
-            with tempfile.TemporaryDirectory(prefix="bench_logprobs_") as tmp:  # the worker's tensors, to compare
+            # the worker's tensors, to compare
+            with tempfile.TemporaryDirectory(prefix="bench_logprobs_") as tmp:
                 out = os.path.join(tmp, "out.pt")
-                flags = ["--variant", variant, "--out", out, "--repeats", a.repeats] + ["--backward"] * backward
+                flags = ["--variant", variant, "--out", out, "--repeats", a.repeats] + [
+                    "--backward"
+                ] * backward
                 results[variant, backward] = run_worker(a, "logprobs", *flags), torch.load(out)
         (naive, n_out), (ours, o_out) = results["naive", backward], results["ours", backward]
-        err = max((n_out[k] - o_out[k]).abs().max().item() / (1 if k == "logp" else n_out[k].abs().max().item())
-                  for k in n_out)
+        err = max(
+            (n_out[k] - o_out[k]).abs().max().item()
+            / (1 if k == "logp" else n_out[k].abs().max().item())
+            for k in n_out
+        )
         mode = "fwd+bwd" if backward else "fwd (no grad)"
         for name, r in (("naive log_softmax", naive), ("sampling.token_logprobs", ours)):
-            rows.append((f"log-probs {mode}: {name}", f"{r['seconds']:.2f} s", f"+{mib(r['extra_bytes'])}", ""))
-        rows.append((f"log-probs {mode}: ours / naive", f"{ours['seconds'] / naive['seconds']:.2f}x",
-                     f"{ours['extra_bytes'] / naive['extra_bytes']:.2f}x",
-                     f"max diff {err:.1e} ({'OK' if err <= 1e-5 else 'FAIL'} at 1e-5)"))
+            rows.append(
+                (
+                    f"log-probs {mode}: {name}",
+                    f"{r['seconds']:.2f} s",
+                    f"+{mib(r['extra_bytes'])}",
+                    "",
+                )
+            )
+        rows.append(
+            (
+                f"log-probs {mode}: ours / naive",
+                f"{ours['seconds'] / naive['seconds']:.2f}x",
+                f"{ours['extra_bytes'] / naive['extra_bytes']:.2f}x",
+                f"max diff {err:.1e} ({'OK' if err <= 1e-5 else 'FAIL'} at 1e-5)",
+            )
+        )
 
 
 def bench_step(a, rows):
@@ -453,8 +684,14 @@ def bench_step(a, rows):
         rate = f", {r['tokens'] / s:,.0f} tok/s" if name in ("generate", "step") else ""
         label = f"total (first step {r['first']:.1f} s)" if name == "step" else name
         rows.append((f"{tag}: {label}", f"{s:.3f} s", f"+{mib(extra)}", f"{cpu:.3f} s{rate}"))
-    rows.append((f"{tag}: generate per new token", f"{phases['generate'][0] / a.max_new_tokens * 1e3:.2f} ms", "",
-                 "prefill included"))
+    rows.append(
+        (
+            f"{tag}: generate per new token",
+            f"{phases['generate'][0] / a.max_new_tokens * 1e3:.2f} ms",
+            "",
+            "prefill included",
+        )
+    )
     rows.append((f"{tag}: peak resident memory", "", mib(r["peak_bytes"]), ""))
 
 
@@ -464,52 +701,91 @@ def bench_vs_trl(a, rows):
         ours, trl = run_worker(a, "ours"), run_worker(a, "trl")
         ours_all.append(ours)
         trl_all.append(trl)
-        if abs(ours["checksum"] - trl["checksum"]) > 1e-9 * abs(ours["checksum"]) or not trl["same_ref"]:
-            sys.exit("initial weights differ between our run and TRL's: the comparison would be unfair")
+        if (
+            abs(ours["checksum"] - trl["checksum"]) > 1e-9 * abs(ours["checksum"])
+            or not trl["same_ref"]
+        ):
+            sys.exit(
+                "initial weights differ between our run and TRL's: the comparison would be unfair"
+            )
         ours_runs.append(median_phases(ours["steps"]))
         trl_runs.append(median_phases(trl["steps"]))
         ratios.append(ours_runs[-1]["step"][0] / trl_runs[-1]["step"][0])
         cpu_ratios.append(ours_runs[-1]["step"][2] / trl_runs[-1]["step"][2])
-        print(f"round {i + 1}: ours {ours_runs[-1]['step'][0]:.3f} s, TRL {trl_runs[-1]['step'][0]:.3f} s, "
-              f"ratio {ratios[-1]:.3f} (CPU time ratio {cpu_ratios[-1]:.3f})", flush=True)
+        print(
+            f"round {i + 1}: ours {ours_runs[-1]['step'][0]:.3f} s, TRL {trl_runs[-1]['step'][0]:.3f} s, "
+            f"ratio {ratios[-1]:.3f} (CPU time ratio {cpu_ratios[-1]:.3f})",
+            flush=True,
+        )
     tag = f"{a.config}{' real-length' * a.real_length} vs TRL"
     rows.append((f"{tag} (medians)", "ours", "TRL", "ours/TRL"))
     for name in PHASES + ["step"]:
         o = statistics.median(r[name][0] for r in ours_runs)
         t = statistics.median(r.get(name, (0.0,))[0] for r in trl_runs)
-        rows.append((f"{tag}: {name}", f"{o:.3f} s", f"{t:.3f} s", f"{o / t:.2f}x" if t > 0 else "TRL: n/a"))
-    rows.append((f"{tag}: peak memory during the steps", mib(max(r["peak_bytes"] for r in ours_all)),
-                 mib(max(r["peak_bytes"] for r in trl_all)), ""))
-    rows.append((f"{tag}: MEDIAN RATIO ours/TRL, {a.rounds} rounds A B", f"{statistics.median(ratios):.3f}", "",
-                 "per round " + " ".join(f"{x:.2f}" for x in ratios)))
-    rows.append((f"{tag}: median CPU-time ratio", f"{statistics.median(cpu_ratios):.3f}", "",
-                 "per round " + " ".join(f"{x:.2f}" for x in cpu_ratios)))
+        rows.append(
+            (f"{tag}: {name}", f"{o:.3f} s", f"{t:.3f} s", f"{o / t:.2f}x" if t > 0 else "TRL: n/a")
+        )
+    rows.append(
+        (
+            f"{tag}: peak memory during the steps",
+            mib(max(r["peak_bytes"] for r in ours_all)),
+            mib(max(r["peak_bytes"] for r in trl_all)),
+            "",
+        )
+    )
+    rows.append(
+        (
+            f"{tag}: MEDIAN RATIO ours/TRL, {a.rounds} rounds A B",
+            f"{statistics.median(ratios):.3f}",
+            "",
+            "per round " + " ".join(f"{x:.2f}" for x in ratios),
+        )
+    )
+    rows.append(
+        (
+            f"{tag}: median CPU-time ratio",
+            f"{statistics.median(cpu_ratios):.3f}",
+            "",
+            "per round " + " ".join(f"{x:.2f}" for x in cpu_ratios),
+        )
+    )
 
 
 def bench_rollout(a):
     """d. sampling.sample_rollouts on a real model (fp32, CPU or GPU), every completion --max-new-tokens long: the
     median of --steps timed rollouts after --warmup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    torch.set_num_threads(a.threads if a.threads != 1 else 2)  # --threads defaults to 1 for the trainer comparisons
+
+    # --threads defaults to 1 for the trainer comparisons
+    torch.set_num_threads(a.threads if a.threads != 1 else 2)
     model = AutoModelForCausalLM.from_pretrained(a.rollout, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(a.rollout))
-    gsm8k = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl")
-    prompts = [data.build_prompt(tokenizer, row["question"]) for row in data.load_gsm8k(path=gsm8k)[:a.batch_size]]
+    gsm8k = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl"
+    )
+    prompts = [
+        data.build_prompt(tokenizer, row["question"])
+        for row in data.load_gsm8k(path=gsm8k)[: a.batch_size]
+    ]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
     torch.manual_seed(0)
     times = []
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
-        rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, a.num_generations, lengths=lengths)
+        rollouts = sampling.sample_rollouts(
+            model, tokenizer, prompts, settings, a.num_generations, lengths=lengths
+        )
         times.append(time.perf_counter() - t0)
     tokens = int(rollouts.completion_mask.sum())
-    seconds = statistics.median(times[a.warmup:])
-    print(f"{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
-          f"{a.rollout}: {a.batch_size} prompts x G={a.num_generations}, {a.max_new_tokens} new tokens, "
-          f"T={a.temperature} top-k {a.top_k} top-p {a.top_p}\n"
-          f"rollout: {tokens} tokens in {seconds:.2f} s (median of {a.steps}; each: "
-          f"{' '.join(f'{t:.2f}' for t in times[a.warmup:])}): {tokens / seconds:,.1f} tokens/s")
+    seconds = statistics.median(times[a.warmup :])
+    print(
+        f"{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
+        f"{a.rollout}: {a.batch_size} prompts x G={a.num_generations}, {a.max_new_tokens} new tokens, "
+        f"T={a.temperature} top-k {a.top_k} top-p {a.top_p}\n"
+        f"rollout: {tokens} tokens in {seconds:.2f} s (median of {a.steps}; each: "
+        f"{' '.join(f'{t:.2f}' for t in times[a.warmup :])}): {tokens / seconds:,.1f} tokens/s"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -525,8 +801,13 @@ def bench_rollout(a):
 PARITY_TOL = 1e-5
 # B=2 prompts of 6 and 4 tokens (left-padded) x G=4 completions of nonuniform lengths (< 12: ends with EOS; 12:
 # truncated), 38 tokens in group 1 and 23 in group 2; sampled at T=0.7 (both sides divide the logits by it).
-PARITY_SHAPE = dict(vocab=256, group=4, prompt_lens=(6, 4), completion_lens=(12, 9, 5, 12, 3, 12, 7, 1),
-                    temperature=0.7)
+PARITY_SHAPE = dict(
+    vocab=256,
+    group=4,
+    prompt_lens=(6, 4),
+    completion_lens=(12, 9, 5, 12, 3, 12, 7, 1),
+    temperature=0.7,
+)
 
 
 def parity_batch(model):
@@ -541,25 +822,49 @@ def parity_batch(model):
     prompt_ids = torch.zeros(len(s["prompt_lens"]), P, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
     for b, n in enumerate(s["prompt_lens"]):
-        prompt_ids[b, P - n:], prompt_mask[b, P - n:] = torch.randint(2, s["vocab"], (n,), generator=g), 1
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # [N, P]
+        prompt_ids[b, P - n :], prompt_mask[b, P - n :] = (
+            torch.randint(2, s["vocab"], (n,), generator=g),
+            1,
+        )
+    # [N, P]
+    prompt_ids, prompt_mask = (
+        prompt_ids.repeat_interleave(G, 0),
+        prompt_mask.repeat_interleave(G, 0),
+    )
     lengths = torch.tensor(s["completion_lens"])
-    completion_mask = (torch.arange(C) < lengths[:, None]).long()                                  # [N, C]
-    completion_ids = torch.randint(2, s["vocab"], (len(lengths), C), generator=g) * completion_mask  # pad id 0
+    completion_mask = (torch.arange(C) < lengths[:, None]).long()  # [N, C]
+    # pad id 0
+    completion_ids = torch.randint(2, s["vocab"], (len(lengths), C), generator=g) * completion_mask
     ended = lengths < C
     completion_ids[ended, lengths[ended] - 1] = demo.EOS
     assert torch.equal(completion_mask, grpo.completion_mask(completion_ids, demo.EOS))
-    rollouts = sampling.Rollouts(torch.cat([prompt_ids, completion_ids], 1),
-                                 torch.cat([prompt_mask, completion_mask], 1), completion_mask, [""] * len(lengths),
-                                 G, s["temperature"])
+    rollouts = sampling.Rollouts(
+        torch.cat([prompt_ids, completion_ids], 1),
+        torch.cat([prompt_mask, completion_mask], 1),
+        completion_mask,
+        [""] * len(lengths),
+        G,
+        s["temperature"],
+    )
     advantages = grpo.group_advantages(torch.rand(len(lengths), generator=g), G)
     current = train.frozen_logps(model, rollouts, len(lengths)) * completion_mask
-    noise = 0.3 * torch.randn(current.shape, generator=g) + 0.6 * torch.randn(len(lengths), 1, generator=g)
+    noise = 0.3 * torch.randn(current.shape, generator=g) + 0.6 * torch.randn(
+        len(lengths), 1, generator=g
+    )
     old = (current + noise) * completion_mask
     ref = (current + 0.2 * torch.randn(current.shape, generator=g)) * completion_mask
-    trl = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-               completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref)
-    return dict(rollouts=rollouts, advantages=advantages, old=old, ref=ref, current=current, trl=trl)
+    trl = dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+    )
+    return dict(
+        rollouts=rollouts, advantages=advantages, old=old, ref=ref, current=current, trl=trl
+    )
 
 
 def parity_engagement(batch):
@@ -570,15 +875,21 @@ def parity_engagement(batch):
     seq = (log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True)).expand_as(log_ratio)
     out = {}
     for level, ratio in (("token", log_ratio.exp()), ("sequence", seq.exp())):
-        clips = dict(low=(ratio < 0.8) & (adv < 0), high=(ratio > 1.2) & (adv > 0),
-                     high_028=(ratio > 1.28) & (adv > 0), dual=(ratio > 1.5) & (adv < 0))
+        clips = dict(
+            low=(ratio < 0.8) & (adv < 0),
+            high=(ratio > 1.2) & (adv > 0),
+            high_028=(ratio > 1.28) & (adv > 0),
+            dual=(ratio > 1.5) & (adv < 0),
+        )
         out[level] = {k: int((v & m).sum()) for k, v in clips.items()}
     return out
 
 
 def named_grads(model):
-    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            for n, p in model.named_parameters()}
+    return {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
 
 
 def parity_ours(model, batch, objective, micro, rows=slice(None)):
@@ -586,34 +897,83 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
     train.policy_update itself, with an optimizer that cannot move the weights (SGD at lr 0) and no clipping (max
     norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients stay in .grad."""
     r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
-    part = sampling.Rollouts(r.input_ids[rows], r.attention_mask[rows], r.completion_mask[rows], r.texts[rows],
-                             r.group_size, r.temperature)
+    part = sampling.Rollouts(
+        r.input_ids[rows],
+        r.attention_mask[rows],
+        r.completion_mask[rows],
+        r.texts[rows],
+        r.group_size,
+        r.temperature,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    stats, _ = train.policy_update(model, optimizer, get_scheduler("constant", optimizer), part, advantages[rows],
-                                   old[rows], ref[rows] if objective.beta else None, objective=objective,
-                                   micro_batch_size=micro, max_grad_norm=float("inf"))
+    stats, _ = train.policy_update(
+        model,
+        optimizer,
+        get_scheduler("constant", optimizer),
+        part,
+        advantages[rows],
+        old[rows],
+        ref[rows] if objective.beta else None,
+        objective=objective,
+        micro_batch_size=micro,
+        max_grad_norm=float("inf"),
+    )
     return stats["loss"], named_grads(model)
 
 
-def parity_trainer(model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None):
+def parity_trainer(
+    model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None
+):
     """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused log-prob head), set as
     ours: same loss, ε, ε_high, δ, β, ratio level, temperature, max_completion_length; every TRL extra off."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+
     s = PARITY_SHAPE
     args = GRPOConfig(
-        output_dir=tmp, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
-        num_generations=s["group"], max_completion_length=max(s["completion_lens"]), temperature=s["temperature"],
-        loss_type=case["loss_type"], beta=case["beta"], epsilon=0.2, epsilon_high=case["epsilon_high"],
-        delta=case["delta"], importance_sampling_level=case["ratio_level"], num_iterations=2,  # π_old != π_θ
-        use_vllm=False, use_liger_kernel=False, mask_truncated_completions=False, top_entropy_quantile=1.0,
-        entropy_coef=0.0, use_adaptive_entropy=False, off_policy_mask_threshold=None, use_bias_correction_kl=False,
-        cast_lm_head_to_fp32=False, disable_dropout=True)
-    dataset = Dataset.from_dict({"prompt": ["w0"] * 8, "answer": ["42"] * 8})  # unused: no generation happens here
-    return GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
-                       args=args, train_dataset=dataset, processing_class=tokenizer)
+        output_dir=tmp,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps_per_generation,
+        num_generations=s["group"],
+        max_completion_length=max(s["completion_lens"]),
+        temperature=s["temperature"],
+        loss_type=case["loss_type"],
+        beta=case["beta"],
+        epsilon=0.2,
+        epsilon_high=case["epsilon_high"],
+        delta=case["delta"],
+        importance_sampling_level=case["ratio_level"],
+        num_iterations=2,  # π_old != π_θ
+        use_vllm=False,
+        use_liger_kernel=False,
+        mask_truncated_completions=False,
+        top_entropy_quantile=1.0,
+        entropy_coef=0.0,
+        use_adaptive_entropy=False,
+        off_policy_mask_threshold=None,
+        use_bias_correction_kl=False,
+        cast_lm_head_to_fp32=False,
+        disable_dropout=True,
+    )
+    # unused: no generation happens here
+    dataset = Dataset.from_dict({"prompt": ["w0"] * 8, "answer": ["42"] * 8})
+    return GRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
 
 
 def parity_trl(trainer, batch, micro_rows, accumulation=1):
@@ -623,7 +983,9 @@ def parity_trl(trainer, batch, micro_rows, accumulation=1):
     inputs = batch["trl"]
     trainer.model.train()
     trainer.model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = accumulation  # what Trainer's loop sets for each window
+    trainer.current_gradient_accumulation_steps = (
+        accumulation  # what Trainer's loop sets for each window
+    )
     losses = []
     for rows in micro_rows:
         micro = {k: v[rows] for k, v in inputs.items()}
@@ -641,23 +1003,39 @@ def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
     diff = max((our_grads[k] - trl_grads[k]).abs().max().item() for k in our_grads)
     loss_ok = abs(our_loss - trl_scale * trl_loss) <= PARITY_TOL * max(1.0, abs(trl_loss))
     largest = max(trl_scale * g.abs().max().item() for g in trl_grads.values())
-    grad_ok = max((our_grads[k] - trl_scale * trl_grads[k]).abs().max().item() for k in our_grads) <= \
-        PARITY_TOL * max(1.0, largest)
+    grad_ok = max(
+        (our_grads[k] - trl_scale * trl_grads[k]).abs().max().item() for k in our_grads
+    ) <= PARITY_TOL * max(1.0, largest)
     ok = loss_ok and grad_ok
-    return dict(case=name, ours=our_loss, trl=trl_loss, diff=diff, ok=ok,
-                result=("pass" if ok else "FAIL") + (f" {note}" if note else ""))
+    return dict(
+        case=name,
+        ours=our_loss,
+        trl=trl_loss,
+        diff=diff,
+        ok=ok,
+        result=("pass" if ok else "FAIL") + (f" {note}" if note else ""),
+    )
 
 
 def parity_cases():
     """Every combination: loss type x β (KL to π_ref) x ε_high (clip-higher) x δ (dual clip) x ratio level."""
     for loss_type, beta, epsilon_high, delta, ratio_level in itertools.product(
-            ("grpo", "dapo", "dr_grpo"), (0.0, 0.04), (None, 0.28), (None, 1.5), ("token", "sequence")):
-        yield dict(loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, delta=delta, ratio_level=ratio_level)
+        ("grpo", "dapo", "dr_grpo"), (0.0, 0.04), (None, 0.28), (None, 1.5), ("token", "sequence")
+    ):
+        yield dict(
+            loss_type=loss_type,
+            beta=beta,
+            epsilon_high=epsilon_high,
+            delta=delta,
+            ratio_level=ratio_level,
+        )
 
 
 def parity_name(case):
-    return (f"{case['loss_type']:<7} beta={case['beta']:<4} eps_high={case['epsilon_high'] or '-':<4} "
-            f"delta={case['delta'] or '-':<3} {case['ratio_level']}")
+    return (
+        f"{case['loss_type']:<7} beta={case['beta']:<4} eps_high={case['epsilon_high'] or '-':<4} "
+        f"delta={case['delta'] or '-':<3} {case['ratio_level']}"
+    )
 
 
 def parity_accumulation(model, tokenizer, tmp, batch):
@@ -677,29 +1055,48 @@ def parity_accumulation(model, tokenizer, tmp, batch):
     n, tokens = len(batch["advantages"]), batch["trl"]["completion_mask"]
     halves, rows = [slice(0, n // 2), slice(n // 2, n)], []
     for loss_type in ("grpo", "dapo", "dr_grpo"):
-        case = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token")
+        case = dict(
+            loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token"
+        )
         objective = train.Objective(epsilon=0.2, max_tokens=tokens.shape[1], **case)
         trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
-        rows.append(parity_compare(f"{loss_type:<7} all on, GAS=2: 2 micro-batches, 1 step",
-                                   parity_ours(model, batch, objective, n // 2), parity_trl(trainer, batch, halves, 2)))
+        rows.append(
+            parity_compare(
+                f"{loss_type:<7} all on, GAS=2: 2 micro-batches, 1 step",
+                parity_ours(model, batch, objective, n // 2),
+                parity_trl(trainer, batch, halves, 2),
+            )
+        )
         trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, steps_per_generation=2)
         for i, half in enumerate(halves):
-            scale = tokens.sum().item() / 2 / tokens[half].sum().item() if loss_type == "dapo" else 1.0
+            scale = (
+                tokens.sum().item() / 2 / tokens[half].sum().item() if loss_type == "dapo" else 1.0
+            )
             note = f"(TRL differs by design: TRL = ours x {1 / scale:.3f})" if scale != 1.0 else ""
-            rows.append(parity_compare(f"{loss_type:<7} all on, steps_per_generation=2: step {i + 1}",
-                                       parity_ours(model, batch, objective, n // 2, half),
-                                       parity_trl(trainer, batch, [half]), scale, note))
+            rows.append(
+                parity_compare(
+                    f"{loss_type:<7} all on, steps_per_generation=2: step {i + 1}",
+                    parity_ours(model, batch, objective, n // 2, half),
+                    parity_trl(trainer, batch, [half]),
+                    scale,
+                    note,
+                )
+            )
     return rows
 
 
 def worker_parity(a):
     """e. (runs in the bench env): the table's rows, and how far TRL's per-token log-probs are from ours."""
     import trl
+
     s = PARITY_SHAPE
-    model = demo.tiny_llama(s["vocab"], 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    model = demo.tiny_llama(
+        s["vocab"], 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2
+    )
     tokenizer = build_tokenizer(s["vocab"])
     tmp = tempfile.mkdtemp(prefix="bench_parity_")
-    model.save_pretrained(tmp)  # TRL builds its reference model (beta > 0) with from_pretrained(_name_or_path)
+    # TRL builds its reference model (beta > 0) with from_pretrained(_name_or_path)
+    model.save_pretrained(tmp)
     model.config._name_or_path = tmp
     batch = parity_batch(model)
     n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
@@ -707,16 +1104,29 @@ def worker_parity(a):
     for case in parity_cases():
         objective = train.Objective(epsilon=0.2, max_tokens=mask.shape[1], **case)
         trainer = parity_trainer(model, tokenizer, tmp, case, n)
-        rows.append(parity_compare(parity_name(case), parity_ours(model, batch, objective, n),
-                                   parity_trl(trainer, batch, [slice(None)])))
-    with torch.no_grad():  # TRL's per-token log-probs (its fused head at T) against ours (token_logprobs at T)
+        rows.append(
+            parity_compare(
+                parity_name(case),
+                parity_ours(model, batch, objective, n),
+                parity_trl(trainer, batch, [slice(None)]),
+            )
+        )
+    # TRL's per-token log-probs (its fused head at T) against ours (token_logprobs at T)
+    with torch.no_grad():
         ids, attn = batch["rollouts"].input_ids, batch["rollouts"].attention_mask
-        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.shape[1])[0]
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.shape[1])[
+            0
+        ]
     rows += parity_accumulation(model, tokenizer, tmp, batch)
     shutil.rmtree(tmp, ignore_errors=True)
-    return dict(rows=rows, trl=trl.__version__, params=sum(p.numel() for p in model.parameters()),
-                logp_diff=((logps - batch["current"]) * mask).abs().max().item(), tokens=int(mask.sum()),
-                engaged=parity_engagement(batch))
+    return dict(
+        rows=rows,
+        trl=trl.__version__,
+        params=sum(p.numel() for p in model.parameters()),
+        logp_diff=((logps - batch["current"]) * mask).abs().max().item(),
+        tokens=int(mask.sum()),
+        engaged=parity_engagement(batch),
+    )
 
 
 def bench_parity(a):
@@ -724,20 +1134,37 @@ def bench_parity(a):
     t0 = time.perf_counter()
     r = run_worker(a, "parity")
     s = PARITY_SHAPE
-    print(f"{time.strftime('%Y-%m-%d')} | parity with trl {r['trl']}'s GRPOTrainer loss | torch {torch.__version__} "
-          f"cpu fp32 | Llama of {r['params']:,} parameters | {len(s['prompt_lens'])} prompts x G={s['group']}, "
-          f"completion lengths {list(s['completion_lens'])} ({r['tokens']} tokens), T={s['temperature']}")
-    print(f"per-token log-probs, max |ours - TRL|: {r['logp_diff']:.1e}; tokens each clip acts on: " + "; ".join(
-        f"{level} ratios: " + ", ".join(f"{k} {v}" for k, v in clips.items()) for level, clips in r["engaged"].items()))
+    print(
+        f"{time.strftime('%Y-%m-%d')} | parity with trl {r['trl']}'s GRPOTrainer loss | torch {torch.__version__} "
+        f"cpu fp32 | Llama of {r['params']:,} parameters | {len(s['prompt_lens'])} prompts x G={s['group']}, "
+        f"completion lengths {list(s['completion_lens'])} ({r['tokens']} tokens), T={s['temperature']}"
+    )
+    print(
+        f"per-token log-probs, max |ours - TRL|: {r['logp_diff']:.1e}; tokens each clip acts on: "
+        + "; ".join(
+            f"{level} ratios: " + ", ".join(f"{k} {v}" for k, v in clips.items())
+            for level, clips in r["engaged"].items()
+        )
+    )
     width = max(len(row["case"]) for row in r["rows"])
-    print(f"{'case':<{width}}  {'our loss':>12}  {'TRL loss':>12}  {'max|dgrad|':>10}  result (tol {PARITY_TOL:g})")
+    print(
+        f"{'case':<{width}}  {'our loss':>12}  {'TRL loss':>12}  {'max|dgrad|':>10}  result (tol {PARITY_TOL:g})"
+    )
     for row in r["rows"]:
-        print(f"{row['case']:<{width}}  {row['ours']:>12.8f}  {row['trl']:>12.8f}  {row['diff']:>10.1e}  "
-              f"{row['result']}")
+        print(
+            f"{row['case']:<{width}}  {row['ours']:>12.8f}  {row['trl']:>12.8f}  {row['diff']:>10.1e}  "
+            f"{row['result']}"
+        )
     failed = [row["case"] for row in r["rows"] if not row["ok"]]
-    failed += [f"{level} {clip} clip never engages" for level, clips in r["engaged"].items()
-               for clip, count in clips.items() if count == 0]
-    print(f"{len(r['rows']) - len(failed)}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)")
+    failed += [
+        f"{level} {clip} clip never engages"
+        for level, clips in r["engaged"].items()
+        for clip, count in clips.items()
+        if count == 0
+    ]
+    print(
+        f"{len(r['rows']) - len(failed)}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)"
+    )
     if failed:
         sys.exit(f"parity FAILED: {', '.join(failed)}")
 
@@ -754,6 +1181,7 @@ def saved_bytes(model, tokens, amp):
     def pack(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sampling.autocast("cpu", amp):
         model.model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
     return sum(storages.values())
@@ -788,38 +1216,70 @@ def memory_phases(a):
     width = 2 if amp is not None else 4
     model = build_model_meta(a.config)
     n = sum(p.numel() for p in model.parameters())
-    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    linear = sum(
+        p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
+    )
     L, h, V = c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]
-    kv_per_token = L * 2 * c["num_key_value_heads"] * (h // c["num_attention_heads"]) * width  # keys + values
+    # keys + values
+    kv_per_token = L * 2 * c["num_key_value_heads"] * (h // c["num_attention_heads"]) * width
     seq = a.prompt_len + a.max_new_tokens
-    rows, micro = a.batch_size * a.accumulation * a.num_generations, a.batch_size * a.num_generations
+    rows, micro = (
+        a.batch_size * a.accumulation * a.num_generations,
+        a.batch_size * a.num_generations,
+    )
     eval_rows = a.eval_batch_size * a.eval_samples
-    copy_bytes = width * linear if amp is not None else 0  # autocast's cast of each Linear weight, or the twin
+    # autocast's cast of each Linear weight, or the twin
+    copy_bytes = width * linear if amp is not None else 0
     act = activation_bytes_per_token_layer(a.config, amp)
-    checkpointed = micro * seq * (L * 4 * h + act)  # the fp32 residual stream per layer, then one layer recomputed
-    chunk = min(1024, micro * a.max_new_tokens)  # rows of the chunked lm-head at a time: [chunk, V] fp32 logits
-    kv = {"generate": (f"KV cache: {rows} rows x {seq} tokens", rows * seq * kv_per_token),
-          "evaluation": (f"KV cache: {eval_rows} rows x {seq} tokens", eval_rows * seq * kv_per_token)}
-    static = [("weights, fp32", 4 * n), ("AdamW moments, fp32", 8 * n),
-              (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
-              ("decode twin (--compile)", copy_bytes if a.compile else 0),
-              # compiled, each planned shape keeps its cache for the whole run (CUDA graphs read it in place)
-              ("the compiled decode's two KV caches, kept", kv["generate"][1] + kv["evaluation"][1] if a.compile
-               else 0)]
+    # the fp32 residual stream per layer, then one layer recomputed
+    checkpointed = micro * seq * (L * 4 * h + act)
+    # rows of the chunked lm-head at a time: [chunk, V] fp32 logits
+    chunk = min(1024, micro * a.max_new_tokens)
+    kv = {
+        "generate": (f"KV cache: {rows} rows x {seq} tokens", rows * seq * kv_per_token),
+        "evaluation": (
+            f"KV cache: {eval_rows} rows x {seq} tokens",
+            eval_rows * seq * kv_per_token,
+        ),
+    }
+    static = [
+        ("weights, fp32", 4 * n),
+        ("AdamW moments, fp32", 8 * n),
+        (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
+        ("decode twin (--compile)", copy_bytes if a.compile else 0),
+        # compiled, each planned shape keeps its cache for the whole run (CUDA graphs read it in place)
+        (
+            "the compiled decode's two KV caches, kept",
+            kv["generate"][1] + kv["evaluation"][1] if a.compile else 0,
+        ),
+    ]
     if a.compile:  # the caches are counted above, in every phase; decoding reads the twin, autocast casts nothing
         kv = {phase: ("", 0) for phase in kv}
-    decode_copy = ("" if a.compile else f"autocast copy of the Linear weights, {a.dtype}", 0 if a.compile else
-                   copy_bytes)
+    decode_copy = (
+        "" if a.compile else f"autocast copy of the Linear weights, {a.dtype}",
+        0 if a.compile else copy_bytes,
+    )
     return {
         "generate": static + [decode_copy, kv["generate"]],
-        "reference log-probs": static + [
-            (f"prompt KV cache x G: {micro} rows x {a.prompt_len}", micro * a.prompt_len * kv_per_token),
-            (f"lm-head: {chunk} x {V} fp32 logits, twice", 2 * 4 * chunk * V)],
-        "policy forward + backward": static + [
-            ("gradients, fp32", 4 * n), (f"autocast copy of the weights, {a.dtype}", copy_bytes),
-            (f"activations: {micro} rows x {seq} tokens" + (", checkpointed" if a.gradient_checkpointing else ""),
-             checkpointed if a.gradient_checkpointing else micro * seq * L * act),
-            (f"lm-head: {chunk} x {V} fp32 logits, three", 3 * 4 * chunk * V + width * V * h)],
+        "reference log-probs": static
+        + [
+            (
+                f"prompt KV cache x G: {micro} rows x {a.prompt_len}",
+                micro * a.prompt_len * kv_per_token,
+            ),
+            (f"lm-head: {chunk} x {V} fp32 logits, twice", 2 * 4 * chunk * V),
+        ],
+        "policy forward + backward": static
+        + [
+            ("gradients, fp32", 4 * n),
+            (f"autocast copy of the weights, {a.dtype}", copy_bytes),
+            (
+                f"activations: {micro} rows x {seq} tokens"
+                + (", checkpointed" if a.gradient_checkpointing else ""),
+                checkpointed if a.gradient_checkpointing else micro * seq * L * act,
+            ),
+            (f"lm-head: {chunk} x {V} fp32 logits, three", 3 * 4 * chunk * V + width * V * h),
+        ],
         "optimizer": static + [("gradients, fp32", 4 * n)],
         "evaluation": static + [decode_copy, kv["evaluation"]],
     }
@@ -829,9 +1289,11 @@ def memory_table(a):
     """The device memory of a train.py run of this config, phase by phase (memory_phases), in GB (1e9 bytes)."""
     phases = memory_phases(a)
     n = sum(p.numel() for p in build_model_meta(a.config).parameters())
-    print(f"{a.config}: {n:,} parameters, {a.dtype}; {a.batch_size * a.accumulation} prompts x G="
-          f"{a.num_generations} per step, {a.prompt_len} + {a.max_new_tokens} tokens; evaluation "
-          f"{a.eval_batch_size} questions x {a.eval_samples}" + (", --compile" if a.compile else ""))
+    print(
+        f"{a.config}: {n:,} parameters, {a.dtype}; {a.batch_size * a.accumulation} prompts x G="
+        f"{a.num_generations} per step, {a.prompt_len} + {a.max_new_tokens} tokens; evaluation "
+        f"{a.eval_batch_size} questions x {a.eval_samples}" + (", --compile" if a.compile else "")
+    )
     seen = set()
     for name, parts in phases.items():
         print(f"  {name}: peak {sum(b for _, b in parts) / 1e9:.2f} GB")
@@ -840,7 +1302,11 @@ def memory_table(a):
                 print(f"    {part:<54}{b / 1e9:>8.2f} GB")
             seen.add((part, b))
     peak = max(sum(b for _, b in parts) for parts in phases.values())
-    print(f"  peak of the run: {peak / 1e9:.2f} GB: " + ("fits" if peak < 40e9 else "does not fit") + " a 40 GB card")
+    print(
+        f"  peak of the run: {peak / 1e9:.2f} GB: "
+        + ("fits" if peak < 40e9 else "does not fit")
+        + " a 40 GB card"
+    )
 
 
 def build_model_meta(name):
@@ -850,49 +1316,118 @@ def build_model_meta(name):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--logprobs", action="store_true", help="a. chunked log-probs vs the naive log-softmax")
-    p.add_argument("--step", action="store_true", help="b. one GRPO step of our loop, phase by phase")
-    p.add_argument("--vs-trl", action="store_true", help="c. our step vs TRL's GRPOTrainer, alternating A B A B")
-    p.add_argument("--parity", action="store_true",
-                   help="e. our loss and gradients vs TRL GRPOTrainer's on one batch, every setting: prints a table, "
-                        "exits 1 on a mismatch (needs BENCH_PYTHON)")
-    p.add_argument("--memory", action="store_true",
-                   help="d. the memory a training run needs, computed from the config (no run): prints and exits")
-    p.add_argument("--accumulation", type=int, default=4, help="--memory: prompts generated per step / batch-size")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="--memory: with gradient checkpointing")
-    p.add_argument("--eval-batch-size", type=int, default=8, help="--memory: questions per evaluation batch")
-    p.add_argument("--eval-samples", type=int, default=8, help="--memory: completions per evaluation question")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--logprobs", action="store_true", help="a. chunked log-probs vs the naive log-softmax"
+    )
+    p.add_argument(
+        "--step", action="store_true", help="b. one GRPO step of our loop, phase by phase"
+    )
+    p.add_argument(
+        "--vs-trl",
+        action="store_true",
+        help="c. our step vs TRL's GRPOTrainer, alternating A B A B",
+    )
+    p.add_argument(
+        "--parity",
+        action="store_true",
+        help="e. our loss and gradients vs TRL GRPOTrainer's on one batch, every setting: prints a table, "
+        "exits 1 on a mismatch (needs BENCH_PYTHON)",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="d. the memory a training run needs, computed from the config (no run): prints and exits",
+    )
+    p.add_argument(
+        "--accumulation",
+        type=int,
+        default=4,
+        help="--memory: prompts generated per step / batch-size",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="--memory: with gradient checkpointing",
+    )
+    p.add_argument(
+        "--eval-batch-size", type=int, default=8, help="--memory: questions per evaluation batch"
+    )
+    p.add_argument(
+        "--eval-samples", type=int, default=8, help="--memory: completions per evaluation question"
+    )
     p.add_argument("--config", default="tiny", choices=list(CONFIGS))
     p.add_argument("--num-generations", type=int, default=8, help="G")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts per step (B); B*G completions")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens; default per config (SHAPES)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens; default per config (SHAPES)")
+    p.add_argument(
+        "--batch-size", type=int, default=1, help="prompts per step (B); B*G completions"
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=None, help="prompt tokens; default per config (SHAPES)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="completion tokens; default per config (SHAPES)",
+    )
     p.add_argument("--beta", type=float, default=config.build_parser().get_default("beta"))
     p.add_argument("--num-iterations", type=int, default=1, help="mu")
     p.add_argument("--lr", type=float, default=config.build_parser().get_default("lr"))
-    p.add_argument("--temperature", type=float, default=config.build_parser().get_default("temperature"))
+    p.add_argument(
+        "--temperature", type=float, default=config.build_parser().get_default("temperature")
+    )
     p.add_argument("--top-p", type=float, default=config.build_parser().get_default("top_p"))
     p.add_argument("--top-k", type=int, default=config.build_parser().get_default("top_k"))
-    p.add_argument("--dtype", default="bf16" if DEVICE == "cuda" else "fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run, after --warmup; default per config")
+    p.add_argument(
+        "--dtype", default="bf16" if DEVICE == "cuda" else "fp32", choices=["fp32", "bf16"]
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run, after --warmup; default per config",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run")
     p.add_argument("--rounds", type=int, default=3, help="--vs-trl: A B pairs")
-    p.add_argument("--rollout", default=None, metavar="MODEL",
-                   help="d. completion tokens/s of one rollout of a real model (a local directory or hub id): the "
-                        "first --batch-size GSM8K test questions x G, --max-new-tokens each (EOS suppressed), as "
-                        "train.py samples them (--threads, default here 2)")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="--step, --vs-trl: our side as train.py --compile runs it (torch.compile'd decode step and "
-                        "log-prob forwards)")
-    p.add_argument("--real-length", action="store_true",
-                   help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
-                        "0, the same for both trainers) instead of all running to max_new")
-    p.add_argument("--repeats", type=int, default=1, help="--logprobs: calls per variant (median of all but the first)")
+    p.add_argument(
+        "--rollout",
+        default=None,
+        metavar="MODEL",
+        help="d. completion tokens/s of one rollout of a real model (a local directory or hub id): the "
+        "first --batch-size GSM8K test questions x G, --max-new-tokens each (EOS suppressed), as "
+        "train.py samples them (--threads, default here 2)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="--step, --vs-trl: our side as train.py --compile runs it (torch.compile'd decode step and "
+        "log-prob forwards)",
+    )
+    p.add_argument(
+        "--real-length",
+        action="store_true",
+        help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
+        "0, the same for both trainers) instead of all running to max_new",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--logprobs: calls per variant (median of all but the first)",
+    )
     # One thread by default on CPU: on a machine shared with other jobs, OpenMP threads waiting at barriers for a
     # descheduled sibling made steps up to 70x slower and unrepeatable (measured here); one thread runs steadily.
-    p.add_argument("--threads", type=int, default=1 if DEVICE == "cpu" else 0,
-                   help="torch threads in every worker (both ours and TRL's); 0: torch's default (all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1 if DEVICE == "cpu" else 0,
+        help="torch threads in every worker (both ours and TRL's); 0: torch's default (all cores)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
@@ -912,7 +1447,9 @@ def main():
     if a.memory:
         return memory_table(a)
     if a.worker:
-        work = dict(logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl, parity=worker_parity)[a.worker]
+        work = dict(
+            logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl, parity=worker_parity
+        )[a.worker]
         print("RESULT " + json.dumps(work(a)), flush=True)
         return
 
@@ -929,9 +1466,11 @@ def main():
         bench_step(a, rows)
     if a.vs_trl:
         bench_vs_trl(a, rows)
-    print(f"\n{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
-          f"{a.config}: B={a.batch_size} G={a.num_generations} prompt {a.prompt_len} + {a.max_new_tokens} new tokens, "
-          f"beta={a.beta} mu={a.num_iterations} {a.dtype}")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} | {DEVICE}, {torch.get_num_threads()} threads | torch {torch.__version__} | "
+        f"{a.config}: B={a.batch_size} G={a.num_generations} prompt {a.prompt_len} + {a.max_new_tokens} new tokens, "
+        f"beta={a.beta} mu={a.num_iterations} {a.dtype}"
+    )
     width = max(len(r[0]) for r in rows)
     for r in rows:
         print(f"{r[0]:<{width}}  {r[1]:>12}  {r[2]:>16}  {r[3]}")

@@ -4,13 +4,15 @@ Plain functions, imported by the tests as `from conftest import ...` (pytest put
 is, on sys.path and imports it before any test module). HF_HUB_OFFLINE is set here first: tests never download.
 TOL: see test_grpo.py's docstring.
 """
+
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download; an unknown hub id must fail at once
+# tests never download; an unknown hub id must fail at once
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -36,8 +38,14 @@ TIME_FIELDS = {"step_time", "tokens_per_s", "eta_s"}
 
 def tiny_llama(seed=0):
     """demo.py's builder, narrower, with grouped-query attention and an untied lm-head."""
-    return demo.tiny_llama(97, seed, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
-                           tie_word_embeddings=False).eval()
+    return demo.tiny_llama(
+        97,
+        seed,
+        hidden_size=32,
+        intermediate_size=64,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ).eval()
 
 
 def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=5, seed=0):
@@ -47,18 +55,40 @@ def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=
     prompt = torch.randint(3, 97, (b, p), generator=gen)
     prompt_mask = torch.ones(b, p, dtype=torch.long)
     for row, length in enumerate(prompt_lengths):
-        prompt[row, :p - length], prompt_mask[row, :p - length] = 0, 0
+        prompt[row, : p - length], prompt_mask[row, : p - length] = 0, 0
     completion = torch.randint(3, 97, (b * group_size, completion_length), generator=gen)
     ids = torch.cat([prompt.repeat_interleave(group_size, 0), completion], dim=1)
-    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), torch.ones_like(completion)], dim=1)
+    mask = torch.cat(
+        [prompt_mask.repeat_interleave(group_size, 0), torch.ones_like(completion)], dim=1
+    )
     return ids, mask
 
 
 def tiny_argv(out_dir, *extra):
     """A fast demo run on the CPU: no warm-up, 4 prompts x G=4 per step in 2 micro-batches, 1 step, no eval."""
-    return [*CPU, "--demo", "--demo-warmup-steps", "0", "--output-dir", str(out_dir), "--steps", "1", "--batch-size",
-            "2", "--gradient-accumulation-steps", "2", "--num-generations", "4", "--num-iterations", "1",
-            "--eval-every", "-1", "--sample-every", "0", *extra]
+    return [
+        *CPU,
+        "--demo",
+        "--demo-warmup-steps",
+        "0",
+        "--output-dir",
+        str(out_dir),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--gradient-accumulation-steps",
+        "2",
+        "--num-generations",
+        "4",
+        "--num-iterations",
+        "1",
+        "--eval-every",
+        "-1",
+        "--sample-every",
+        "0",
+        *extra,
+    ]
 
 
 def varied_reward(completions, answers):
@@ -89,15 +119,25 @@ def without_time(rows):
 def assert_same_run(straight, resumed):
     """The resumed run logged exactly the uninterrupted one's metrics and ended with bit-identical weights."""
     assert without_time(read_metrics(resumed)) == without_time(read_metrics(straight))
-    final = [AutoModelForCausalLM.from_pretrained(d / "checkpoint").state_dict() for d in (straight, resumed)]
+    final = [
+        AutoModelForCausalLM.from_pretrained(d / "checkpoint").state_dict()
+        for d in (straight, resumed)
+    ]
     assert all(torch.equal(final[0][k], v) for k, v in final[1].items())
 
 
 def write_gsm8k(path, n=6):
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"question": f"Tom has {i} apples and buys 2 more. How many now?",
-                                "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"Tom has {i} apples and buys 2 more. How many now?",
+                        "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}",
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -114,7 +154,9 @@ def tiny_rollouts(completion_mask, group_size=4, prompt_length=3, seed=0):
     """Rollouts of random ids for the demo's vocabulary: prompts of prompt_length tokens, no padding."""
     torch.manual_seed(seed)
     n, c = completion_mask.shape
-    prompts = torch.randint(3, 26, (n // group_size, prompt_length)).repeat_interleave(group_size, dim=0)
+    prompts = torch.randint(3, 26, (n // group_size, prompt_length)).repeat_interleave(
+        group_size, dim=0
+    )
     ids = torch.cat([prompts, torch.randint(3, 26, (n, c))], dim=1)
     attention = torch.cat([torch.ones(n, prompt_length, dtype=torch.long), completion_mask], dim=1)
     return sampling.Rollouts(ids, attention, completion_mask, [""] * n, group_size, 1.0)
@@ -128,20 +170,58 @@ def write_rows(path, rows):
 def own_task_argv(tmp_path, *extra):
     """A run on your own JSONL (4 rows, a field `id`) with the tiny model: 4 prompts x G=2, 1 step, no eval."""
     rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1), "id": i} for i in range(4)]
-    return [*CPU, "--model", tiny_model_dir(tmp_path), "--data", write_rows(tmp_path / "my.jsonl", rows),
-            "--prompt-field", "prompt", "--answer-field", "answer", "--output-dir", str(tmp_path / "run"),
-            "--steps", "1", "--batch-size", "2", "--gradient-accumulation-steps", "2", "--num-generations", "2",
-            "--max-new-tokens", "4", "--eval-every", "-1", "--sample-every", "0", "--save-every", "0", *extra]
+    return [
+        *CPU,
+        "--model",
+        tiny_model_dir(tmp_path),
+        "--data",
+        write_rows(tmp_path / "my.jsonl", rows),
+        "--prompt-field",
+        "prompt",
+        "--answer-field",
+        "answer",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--gradient-accumulation-steps",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-every",
+        "-1",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "0",
+        *extra,
+    ]
 
 
 def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
     """A randomly initialized Llama sequence classifier over the demo's words, saved with its tokenizer."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
+
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(demo.WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_labels=num_labels, pad_token_id=demo.PAD, eos_token_id=demo.EOS,
-        bos_token_id=None, max_position_embeddings=256))
+    model = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(demo.WORDS),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_labels=num_labels,
+            pad_token_id=demo.PAD,
+            eos_token_id=demo.EOS,
+            bos_token_id=None,
+            max_position_embeddings=256,
+        )
+    )
     path = tmp_path / name
     model.save_pretrained(path)
     demo.word_tokenizer(demo.WORDS).save_pretrained(path)
@@ -149,10 +229,28 @@ def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
 
 
 def torchrun(out_dir, *argv, nproc=2):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               os.path.join(HERE, "train.py"), *CPU, "--demo", "--output-dir", str(out_dir), "--sample-every", "0",
-               *argv]
-    result = subprocess.run(command, cwd=HERE, capture_output=True, text=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPU))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        os.path.join(HERE, "train.py"),
+        *CPU,
+        "--demo",
+        "--output-dir",
+        str(out_dir),
+        "--sample-every",
+        "0",
+        *argv,
+    ]
+    result = subprocess.run(
+        command,
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPU),
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout

@@ -9,6 +9,7 @@ function of the step, so a resumed run continues with exactly the batches it wou
 state to save); each row's question goes through task.prompt, and its answer (the reference number) is
 repeated G times beside the G completions that the reward functions score.
 """
+
 import functools
 import json
 import os
@@ -27,12 +28,15 @@ from errors import UserError
 @dataclass
 class Task:
     """What train() learns from. The demo, GSM8K and your own task enter the same way."""
-    train: list        # rows {"question": the prompt's text, "answer": the reference the reward functions compare with,
-                       #       and optionally "fields": {the row's other fields}}
-    eval: list         # held-out rows of the same form ([] when evaluation is off)
-    prompt: Callable   # (tokenizer, question) -> the text the policy continues
-    rewards: list      # [rewards.Reward]
-    response_prefix: str = ""  # written at the start of every reply, e.g. "<think>\n": the policy continues after it
+
+    train: list  # rows {"question": the prompt's text, "answer": the reference the reward functions compare with,
+    #       and optionally "fields": {the row's other fields}}
+    eval: list  # held-out rows of the same form ([] when evaluation is off)
+    prompt: Callable  # (tokenizer, question) -> the text the policy continues
+    rewards: list  # [rewards.Reward]
+    response_prefix: str = (
+        ""  # written at the start of every reply, e.g. "<think>\n": the policy continues after it
+    )
 
     def query(self, tokenizer, question):
         """The text the policy continues: the prompt, then the response prefix."""
@@ -53,12 +57,16 @@ class Task:
         row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each, and
         each completion's token count (`completion_lengths`, from `lengths` [N])."""
         rows = [row for row in rows for _ in range(G)]
-        columns = {name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
-                   for name in self.field_names}
+        columns = {
+            name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
+            for name in self.field_names
+        }
         columns["prompts"] = [row["question"] for row in rows]
         if lengths is not None:
             columns["completion_lengths"] = [int(n) for n in lengths]
-        return rewards.score(self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns)
+        return rewards.score(
+            self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns
+        )
 
 
 def field_names(rows):
@@ -133,15 +141,25 @@ def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "ans
     rows = []
     for where, row in read_jsonl(path):
         if not isinstance(row.get(prompt_field), str):
-            got = "missing" if prompt_field not in row else f"a {type(row[prompt_field]).__name__}, not a string"
-            raise ValueError(f"{where}: the prompt field {prompt_field!r} is {got} (fields: {', '.join(row)})")
+            got = (
+                "missing"
+                if prompt_field not in row
+                else f"a {type(row[prompt_field]).__name__}, not a string"
+            )
+            raise ValueError(
+                f"{where}: the prompt field {prompt_field!r} is {got} (fields: {', '.join(row)})"
+            )
         if answer_field not in row:
-            raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(row)})")
+            raise ValueError(
+                f"{where}: no answer field {answer_field!r} (fields: {', '.join(row)})"
+            )
         others = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         reserved = sorted(set(others) & {"prompts", "completion_lengths"})
         if reserved:
-            raise ValueError(f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
-                             "from train.py; rename the field")
+            raise ValueError(
+                f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
+                "from train.py; rename the field"
+            )
         rows.append({"question": row[prompt_field], "answer": row[answer_field], "fields": others})
     return rows
 
@@ -195,12 +213,14 @@ def chat_prompt(tokenizer, user: str, system_prompt: str = "", plain_end: str = 
     nothing else would add it), the system prompt and a blank line, the user's text, then `plain_end`,
     so the model starts its reply on a fresh line.
     """
-    if getattr(tokenizer, "chat_template", None) is None:  # a base model: its BOS first, as its pretraining saw
+    # a base model: its BOS first, as its pretraining saw
+    if getattr(tokenizer, "chat_template", None) is None:
         system = f"{system_prompt}\n\n" if system_prompt else ""
         return f"{getattr(tokenizer, 'bos_token', None) or ''}{system}{user}{plain_end}"
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return tokenizer.apply_chat_template(system + [{"role": "user", "content": user}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        system + [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def task_from_flags(args):
@@ -213,44 +233,68 @@ def task_from_flags(args):
     eval_path = args.eval_data
     if custom:
         if args.data is None and need_train:
-            raise UserError("--prompt-field/--answer-field describe the rows of your own JSONL file: pass it with "
-                            "--data PATH.")
+            raise UserError(
+                "--prompt-field/--answer-field describe the rows of your own JSONL file: pass it with "
+                "--data PATH."
+            )
         if eval_path is None and need_eval:
             if args.eval_only:
-                raise UserError("--eval-only on your own task needs its held-out rows: --eval-data PATH.")
-            print("no --eval-data: this task is not GSM8K, so there is no evaluation. To measure on held-out rows, "
-                  "pass a JSONL file of them in the same format with --eval-data.", flush=True)
-        read = functools.partial(load_jsonl, prompt_field=args.prompt_field or "prompt",
-                                 answer_field=args.answer_field or "answer")
+                raise UserError(
+                    "--eval-only on your own task needs its held-out rows: --eval-data PATH."
+                )
+            print(
+                "no --eval-data: this task is not GSM8K, so there is no evaluation. To measure on held-out rows, "
+                "pass a JSONL file of them in the same format with --eval-data.",
+                flush=True,
+            )
+        read = functools.partial(
+            load_jsonl,
+            prompt_field=args.prompt_field or "prompt",
+            answer_field=args.answer_field or "answer",
+        )
         prompt = functools.partial(chat_prompt, system_prompt=args.system_prompt or "")
     else:
-        if eval_path is None and args.data is not None:  # --data .../train.jsonl: use the test.jsonl beside it
+        # --data .../train.jsonl: use the test.jsonl beside it
+        if eval_path is None and args.data is not None:
             beside = os.path.join(os.path.dirname(os.path.abspath(args.data)), "test.jsonl")
-            eval_path = beside if os.path.isfile(beside) and os.path.abspath(args.data) != beside else None
+            eval_path = (
+                beside if os.path.isfile(beside) and os.path.abspath(args.data) != beside else None
+            )
         read = None
         system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         prompt = functools.partial(build_prompt, system_prompt=system)
-    return Task(train=load_rows("train", args.data, "--data", read) if need_train else [],
-                eval=load_rows("test", eval_path, "--eval-data", read) if need_eval and (eval_path or not custom)
-                else [], prompt=prompt, rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]))
+    return Task(
+        train=load_rows("train", args.data, "--data", read) if need_train else [],
+        eval=load_rows("test", eval_path, "--eval-data", read)
+        if need_eval and (eval_path or not custom)
+        else [],
+        prompt=prompt,
+        rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]),
+    )
 
 
 def load_rows(split, path, flag, read=None):
     """The rows of `path` through `read` (your own task's reader), or GSM8K's `split`: any problem is a UserError
     naming the flag, and for a bad row its file:line."""
     what = "your task's" if read is not None else "the GSM8K"
-    form = ('a JSON object with a "question" string and an "answer" string ending in "#### <number>"' if read is None
-            else "a JSON object with the --prompt-field (a string) and the --answer-field")
+    form = (
+        'a JSON object with a "question" string and an "answer" string ending in "#### <number>"'
+        if read is None
+        else "a JSON object with the --prompt-field (a string) and the --answer-field"
+    )
     if path is not None and not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file. Pass a JSONL file with one {form} per line.")
     try:
         return read(path) if read is not None else load_gsm8k(split, path=path)
     except ValueError as e:  # "path:12: malformed JSON (...)"
-        raise UserError(f"could not load {what} {split} data: {e}. Each line of {flag} must be {form}.") from None
+        raise UserError(
+            f"could not load {what} {split} data: {e}. Each line of {flag} must be {form}."
+        ) from None
     except (OSError, RuntimeError) as e:  # unreadable file, or no network for the download
         hint = " (or --eval-every -1 to skip evaluation)" if split == "test" else ""
-        raise UserError(f"could not load {what} {split} data: {e} Pass a local file with {flag} PATH{hint}."
-                        ) from None
+        raise UserError(
+            f"could not load {what} {split} data: {e} Pass a local file with {flag} PATH{hint}."
+        ) from None
 
 
 def batch_at(rows: list, batch_size: int, seed: int, step: int, stream: int = 0) -> list:
@@ -264,8 +308,12 @@ def batch_at(rows: list, batch_size: int, seed: int, step: int, stream: int = 0)
     draws at step s in its k-th extra generate call, still a pure function of (seed, step, k).
     """
     if not 0 < batch_size <= len(rows):
-        raise ValueError(f"batch_size must be between 1 and the number of rows ({len(rows)}), got {batch_size}")
+        raise ValueError(
+            f"batch_size must be between 1 and the number of rows ({len(rows)}), got {batch_size}"
+        )
     batches_per_epoch = len(rows) // batch_size
     epoch, index = divmod(step, batches_per_epoch)
-    order = np.random.default_rng([seed, epoch] + ([stream] if stream else [])).permutation(len(rows))
+    order = np.random.default_rng([seed, epoch] + ([stream] if stream else [])).permutation(
+        len(rows)
+    )
     return [rows[i] for i in order[index * batch_size : (index + 1) * batch_size]]

@@ -7,6 +7,7 @@ the GSM8K run uses). The demo trains and measures on the same 100 problems: it s
 generalization. A short supervised warm-up first brings the model to about --demo-target-accuracy, so GRPO starts
 from a weak but non-zero skill, as it does from a pretrained model; everything above that is GRPO's.
 """
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -19,15 +20,35 @@ WORDS = ["<pad>", "<eos>", "<unk>", "+", "=", "<answer>", "</answer>"] + [str(n)
 PAD, EOS = 0, 1  # the ids of "<pad>" and "<eos>" in every tokenizer built here
 
 
-def tiny_llama(vocab_size, seed=0, *, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, **config):
+def tiny_llama(
+    vocab_size,
+    seed=0,
+    *,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    **config,
+):
     """A randomly initialized fp32 Llama, the same weights for the same seed and shape; pad id 0, EOS id 1."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, **{"max_position_embeddings": 8192, **config}))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            tie_word_embeddings=tie_word_embeddings,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            bos_token_id=None,
+            **{"max_position_embeddings": 8192, **config},
+        )
+    )
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
     return model.float()
 
@@ -35,10 +56,13 @@ def tiny_llama(vocab_size, seed=0, *, hidden_size=64, intermediate_size=128, num
 def word_tokenizer(words, unk_token="<unk>"):
     """A whitespace-split word-level tokenizer over `words` (ids in list order; words[0] pads, words[1] ends),
     left-padded: a text of n known words is exactly n tokens."""
-    word_level = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=unk_token))
+    word_level = Tokenizer(
+        models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=unk_token)
+    )
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=words[PAD], eos_token=words[EOS],
-                                        unk_token=unk_token)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token=words[PAD], eos_token=words[EOS], unk_token=unk_token
+    )
     return sampling.prepare_tokenizer(tokenizer)
 
 
@@ -52,12 +76,21 @@ def setup(seed, warmup_steps, target_accuracy):
     intra-op parallelism, and spinning OpenMP threads slow it down many times over on a shared machine."""
     torch.set_num_threads(1)
     model, tokenizer = model_and_tokenizer(seed)
-    problems = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    problems = [
+        {"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)
+    ]
     steps = warmup(model, tokenizer, problems, seed, warmup_steps, target_accuracy)
-    print(f"demo: a {sum(p.numel() for p in model.parameters()):,}-parameter Llama; supervised warm-up stopped after "
-          f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}", flush=True)
-    task = data.Task(train=problems, eval=problems, prompt=lambda tokenizer, question: question,
-                     rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]))
+    print(
+        f"demo: a {sum(p.numel() for p in model.parameters()):,}-parameter Llama; supervised warm-up stopped after "
+        f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}",
+        flush=True,
+    )
+    task = data.Task(
+        train=problems,
+        eval=problems,
+        prompt=lambda tokenizer, question: question,
+        rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
+    )
     return model, tokenizer, task
 
 
@@ -96,6 +129,7 @@ def accuracy(model, tokenizer, problems):
     ids, _ = examples(tokenizer, problems)
     was_training = model.training
     model.eval()
-    logps = torch.log_softmax(model(input_ids=ids).logits[:, 2:-1].float(), -1)  # positions 2..5 predict tokens 3..6
+    # positions 2..5 predict tokens 3..6
+    logps = torch.log_softmax(model(input_ids=ids).logits[:, 2:-1].float(), -1)
     model.train(was_training)
     return logps.gather(-1, ids[:, 3:, None]).sum((1, 2)).exp().mean().item()

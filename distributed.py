@@ -8,6 +8,7 @@ the loss's normalizer (sequences, tokens or N·max_tokens over every rank), the 
 of a checkpoint. DistributedDataParallel averages the gradients once per optimizer update (train.policy_update).
 Only rank 0 prints, writes metrics.jsonl and writes checkpoints.
 """
+
 import atexit
 import os
 import sys
@@ -26,7 +27,8 @@ def init(device):
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    atexit.register(dist.destroy_process_group)  # leave the group cleanly (gloo aborts at exit otherwise)
+    # leave the group cleanly (gloo aborts at exit otherwise)
+    atexit.register(dist.destroy_process_group)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # one progress line per step, not one per process
 
@@ -57,6 +59,7 @@ def shard_model(model):
     state are then split over the ranks; each layer's weights are gathered for its forward and backward only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     # The mesh on the model's own device type: by default FSDP2 takes the machine's accelerator, and would move a
     # CPU model (--device cpu, gloo) onto the GPU of a GPU machine.
     mesh = init_device_mesh(next(model.parameters()).device.type, (world(),))
@@ -71,7 +74,10 @@ def shard_model(model):
 def full_state_dict(model):
     """Under FSDP2, the whole model's weights on rank 0 (a collective: every rank calls it; the others get {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def world():
@@ -89,7 +95,7 @@ def is_main():
 def shard(rows):
     """This rank's contiguous share of the step's rows (rank r: the r-th of world equal parts)."""
     n = len(rows) // world()
-    return rows[rank() * n:(rank() + 1) * n]
+    return rows[rank() * n : (rank() + 1) * n]
 
 
 def all_sum(values):
@@ -105,7 +111,9 @@ def gather(tensor):
     """The concatenation over ranks (in rank order) of a tensor [n, ...] whose n is the same on every rank."""
     if world() == 1:
         return tensor
-    local = tensor.to(device_of_group()).contiguous()  # NCCL gathers CUDA tensors only (rewards live on the CPU)
+    local = tensor.to(
+        device_of_group()
+    ).contiguous()  # NCCL gathers CUDA tensors only (rewards live on the CPU)
     parts = [torch.empty_like(local) for _ in range(world())]
     dist.all_gather(parts, local)
     return torch.cat(parts).to(tensor.device)
@@ -126,4 +134,8 @@ def barrier():
 
 
 def device_of_group():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )

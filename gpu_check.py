@@ -15,6 +15,7 @@ JSON. Exit code 1 if the run or the decode timing failed.
 gpu_kit/ (git-ignored) travels with the checkout: SmolLM2's tokenizer (the same for every size) and the first 64
 train / 32 test rows of GSM8K. The run reads --data gpu_kit/gsm8k/train.jsonl; test.jsonl beside it is the eval set.
 """
+
 import argparse
 import dataclasses
 import functools
@@ -32,7 +33,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from unittest import mock
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: never wait for the hub
+# the GPU machine has no network: never wait for the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import transformers
@@ -49,17 +51,26 @@ import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KIT_ROWS = {"train": 64, "test": 32}
-GIB = 2 ** 30
+GIB = 2**30
 # What nvidia-smi reports as the total memory of an A100 40GB and an H100 80GB, and a CUDA context's share of it
 # (outside torch's allocator, so not in max_memory_reserved).
-CARDS = {"40 GB": 40536 * 2 ** 20, "80 GB": 81559 * 2 ** 20}
-CUDA_CONTEXT = 600 * 2 ** 20
+CARDS = {"40 GB": 40536 * 2**20, "80 GB": 81559 * 2**20}
+CUDA_CONTEXT = 600 * 2**20
 # The timed phases: (module, attribute) -> phase name. The loop looks each up at call time (train.policy_update once,
 # when train.train binds it with functools.partial: so the patches go in before train.train is called).
-PHASES = {(sampling, "sample_rollouts"): "generate", (train, "frozen_logps"): "reference",
-          (train, "policy_update"): "forward_backward", (train, "optimizer_step"): "optimizer",
-          (train, "evaluate"): "evaluation", (checkpoint, "save_run"): "checkpoint"}
-AFTER_LOG_STEP = {"evaluation", "checkpoint"}  # phases that run after the step's log line, not before it
+PHASES = {
+    (sampling, "sample_rollouts"): "generate",
+    (train, "frozen_logps"): "reference",
+    (train, "policy_update"): "forward_backward",
+    (train, "optimizer_step"): "optimizer",
+    (train, "evaluate"): "evaluation",
+    (checkpoint, "save_run"): "checkpoint",
+}
+# phases that run after the step's log line, not before it
+AFTER_LOG_STEP = {
+    "evaluation",
+    "checkpoint",
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -70,8 +81,10 @@ def prepare_kit(smollm2_dir, gsm8k_dir, kit):
     """Write KIT/tokenizer (SmolLM2's) and KIT/gsm8k/{train,test}.jsonl (GSM8K's first rows). Returns its bytes."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     if getattr(tokenizer, "chat_template", None) is None:
-        print(f"warning: the tokenizer in {smollm2_dir} has no chat template: prompts will be plain text",
-              file=sys.stderr)
+        print(
+            f"warning: the tokenizer in {smollm2_dir} has no chat template: prompts will be plain text",
+            file=sys.stderr,
+        )
     for part in ("tokenizer", "gsm8k"):
         shutil.rmtree(os.path.join(kit, part), ignore_errors=True)
     tokenizer.save_pretrained(os.path.join(kit, "tokenizer"))
@@ -81,7 +94,7 @@ def prepare_kit(smollm2_dir, gsm8k_dir, kit):
         data.load_gsm8k(path=dst)  # the rows must read as GSM8K: fail here, not on the GPU machine
         print(f"{dst}: {copied} rows")
     size = tree_bytes(kit)
-    print(f"kit {kit}: {size / 2 ** 20:.2f} MiB (a checkout carries at most 64 MiB of ignored files)")
+    print(f"kit {kit}: {size / 2**20:.2f} MiB (a checkout carries at most 64 MiB of ignored files)")
     return size
 
 
@@ -102,8 +115,10 @@ def tree_bytes(path):
 def load_kit_tokenizer(kit):
     path = os.path.join(kit, "tokenizer")
     if not os.path.isdir(path):
-        raise config.UserError(f"no tokenizer in {path}: build the kit first, on a machine with SmolLM2's files: "
-                               "python gpu_check.py --prepare SMOLLM2_DIR (then carry gpu_kit/ along).")
+        raise config.UserError(
+            f"no tokenizer in {path}: build the kit first, on a machine with SmolLM2's files: "
+            "python gpu_check.py --prepare SMOLLM2_DIR (then carry gpu_kit/ along)."
+        )
     return sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(path))
 
 
@@ -158,9 +173,11 @@ class Meter:
 @dataclass
 class Frame:
     name: str
-    step: int          # the training step the phase belongs to (0: the evaluation before training)
+    step: int  # the training step the phase belongs to (0: the evaluation before training)
     start: float
-    inner: float = 0.0  # seconds spent in phases nested inside this one (the optimizer inside policy_update)
+    inner: float = (
+        0.0  # seconds spent in phases nested inside this one (the optimizer inside policy_update)
+    )
     peak: int = 0
 
 
@@ -174,8 +191,10 @@ class PhaseTimer:
 
     def patches(self):
         """The patches to enter for the run: every phase, and log_step (it counts the steps done)."""
-        patches = [mock.patch.object(module, attr, self.wrap(name, getattr(module, attr)))
-                   for (module, attr), name in PHASES.items()]
+        patches = [
+            mock.patch.object(module, attr, self.wrap(name, getattr(module, attr)))
+            for (module, attr), name in PHASES.items()
+        ]
         return patches + [mock.patch.object(train, "log_step", self.count_steps(train.log_step))]
 
     def wrap(self, name, fn):
@@ -191,6 +210,7 @@ class PhaseTimer:
                 return out
             finally:
                 self.leave(finished)
+
         return timed
 
     def count_steps(self, fn):
@@ -199,6 +219,7 @@ class PhaseTimer:
             self.logged = step
             self.step_times.append(metrics["step_time"])
             return fn(path, step, args, metrics, *rest, **kwargs)
+
         return counted
 
     def enter(self, name):
@@ -211,8 +232,15 @@ class PhaseTimer:
     def leave(self, finished):
         frame, peak = self.stack.pop(), self.meter.peak()  # peak() synchronizes CUDA first
         elapsed = time.perf_counter() - frame.start
-        self.events.append(dict(phase=frame.name, step=frame.step, seconds=elapsed - frame.inner,
-                                peak_bytes=max(frame.peak, peak), finished=finished))
+        self.events.append(
+            dict(
+                phase=frame.name,
+                step=frame.step,
+                seconds=elapsed - frame.inner,
+                peak_bytes=max(frame.peak, peak),
+                finished=finished,
+            )
+        )
         if self.stack:  # the enclosing phase goes on: measure its own peak from here
             self.stack[-1].inner += elapsed
             self.meter.reset()
@@ -226,9 +254,15 @@ class PhaseTimer:
         out = {}
         for name in PHASES.values():
             events = [e for e in self.events if e["phase"] == name]
-            per_step = [sum(e["seconds"] for e in events if e["step"] == s) for s in range(steps + 1)]
-            out[name] = dict(seconds=sum(e["seconds"] for e in events), calls=len(events), per_step=per_step,
-                             peak_bytes=max((e["peak_bytes"] for e in events), default=None))
+            per_step = [
+                sum(e["seconds"] for e in events if e["step"] == s) for s in range(steps + 1)
+            ]
+            out[name] = dict(
+                seconds=sum(e["seconds"] for e in events),
+                calls=len(events),
+                per_step=per_step,
+                peak_bytes=max((e["peak_bytes"] for e in events), default=None),
+            )
         return out
 
 
@@ -252,8 +286,11 @@ def build_model(config_name, tokenizer, device):
 def run_training(args, config_name, tokenizer, timer):
     """train.setup then train.train, as train.main runs them, with models.load_model giving the random-weight
     model and the phases timed. Returns (model or None, task or None, what happened)."""
+
     def load_model(name, trust_remote_code=False):
-        return build_model(config_name, tokenizer, args.device), sampling.prepare_tokenizer(tokenizer)
+        return build_model(config_name, tokenizer, args.device), sampling.prepare_tokenizer(
+            tokenizer
+        )
 
     task = model = error = None
     evals, t0 = [], time.perf_counter()
@@ -263,21 +300,47 @@ def run_training(args, config_name, tokenizer, timer):
                 stack.enter_context(patch)
             task, model, tokenizer = train.setup(args)
             evals = train.train(args, task, model, tokenizer)
-    except Exception as e:  # the report says what failed (CUDA out of memory, ...); the traceback goes to stderr
+    # the report says what failed (CUDA out of memory, ...); the traceback goes to stderr
+    except Exception as e:
         traceback.print_exc()
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    wanted = [s for s in range(args.steps + 1) if task is not None and train.eval_due(args, task, s)]
+    wanted = [
+        s for s in range(args.steps + 1) if task is not None and train.eval_due(args, task, s)
+    ]
     done = timer.finished("evaluation")
-    return model, task, dict(ok=error is None and timer.logged == args.steps and done == wanted, error=error,
-                             steps_done=timer.logged, steps_wanted=args.steps, evaluations=done,
-                             evaluations_wanted=wanted, eval_results=dict(evals), step_times=timer.step_times,
-                             seconds=time.perf_counter() - t0)
+    return (
+        model,
+        task,
+        dict(
+            ok=error is None and timer.logged == args.steps and done == wanted,
+            error=error,
+            steps_done=timer.logged,
+            steps_wanted=args.steps,
+            evaluations=done,
+            evaluations_wanted=wanted,
+            eval_results=dict(evals),
+            step_times=timer.step_times,
+            seconds=time.perf_counter() - t0,
+        ),
+    )
 
 
 def train_flags(kit, device, output_dir):
     """train.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's GSM8K rows."""
-    return ["--model", "SmolLM2-1.7B-Instruct", "--data", os.path.join(kit, "gsm8k", "train.jsonl"), "--steps", "3",
-            "--eval-limit", "16", "--output-dir", output_dir, "--device", device]
+    return [
+        "--model",
+        "SmolLM2-1.7B-Instruct",
+        "--data",
+        os.path.join(kit, "gsm8k", "train.jsonl"),
+        "--steps",
+        "3",
+        "--eval-limit",
+        "16",
+        "--output-dir",
+        output_dir,
+        "--device",
+        device,
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -300,27 +363,51 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     itself (amp)."""
     G, max_new = args.num_generations, opts.max_new_tokens or args.max_new_tokens
     if opts.rows % G or opts.rows // G > len(task.train):
-        raise config.UserError(f"--rows {opts.rows} must be a multiple of G = {G}, at most {G * len(task.train)}")
+        raise config.UserError(
+            f"--rows {opts.rows} must be a multiple of G = {G}, at most {G * len(task.train)}"
+        )
     prompts = [task.query(tokenizer, row["question"]) for row in task.train[: opts.rows // G]]
-    ids, mask = sampling.tokenize_prompts(tokenizer, prompts, torch.device(args.device))      # [rows / G, P]
+    # [rows / G, P]
+    ids, mask = sampling.tokenize_prompts(tokenizer, prompts, torch.device(args.device))
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
-    lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)  # an EOS after max_new tokens: never
-    generate = functools.partial(sampling.generate, model, ids, mask, settings, G, sampling.eos_token_ids(
-        model, tokenizer), tokenizer.pad_token_id, sampling.AMP[args.dtype], lengths=lengths)
-    result = dict(rows=opts.rows, prompts=len(prompts), prompt_tokens=ids.shape[1], new_tokens=max_new,
-                  cache_length=ids.shape[1] + max_new)
+    # an EOS after max_new tokens: never
+    lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
+    generate = functools.partial(
+        sampling.generate,
+        model,
+        ids,
+        mask,
+        settings,
+        G,
+        sampling.eos_token_ids(model, tokenizer),
+        tokenizer.pad_token_id,
+        sampling.AMP[args.dtype],
+        lengths=lengths,
+    )
+    result = dict(
+        rows=opts.rows,
+        prompts=len(prompts),
+        prompt_tokens=ids.shape[1],
+        new_tokens=max_new,
+        cache_length=ids.shape[1] + max_new,
+    )
     sampling.COMPILED.pop(id(model), None)  # eager first, also after a run with --compile
     model.zero_grad(set_to_none=True)  # the last update's gradients: not needed to decode
     measure(generate, meter)
     seconds, out, result["eager_peak_bytes"] = measure(generate, meter)
-    assert out.shape == (opts.rows, max_new), f"decode wrote {tuple(out.shape)}, not {opts.rows} x {max_new}"
+    assert out.shape == (opts.rows, max_new), (
+        f"decode wrote {tuple(out.shape)}, not {opts.rows} x {max_new}"
+    )
     result["eager_ms_per_token"] = 1000 * seconds / max_new
     if not opts.skip_compile:
         sampling.compile_model(model, opts.compile_backend)
         sampling.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
         result["compile_seconds"] = measure(generate, meter)[0]  # the warm-up call compiles
         seconds, _, result["compiled_peak_bytes"] = measure(generate, meter)
-        result["compiled_ms_per_token"], result["compile_backend"] = 1000 * seconds / max_new, opts.compile_backend
+        result["compiled_ms_per_token"], result["compile_backend"] = (
+            1000 * seconds / max_new,
+            opts.compile_backend,
+        )
     return result
 
 
@@ -347,16 +434,38 @@ def decode_floor(model, decode, amp, bandwidth):
     """The bytes one decode step must read, in the compute dtype: every nn.Linear weight once (a tied lm-head counts
     once, as a Linear) and the whole static KV cache (its masked columns too); over the bandwidth, ms per token."""
     size = torch.empty((), dtype=amp or torch.float32).element_size()
-    linear = {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    linear = {
+        id(p): p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+        for p in m.parameters()
+    }
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     weights = size * sum(linear.values())
-    kv = size * decode["rows"] * decode["cache_length"] * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim
+    kv = (
+        size
+        * decode["rows"]
+        * decode["cache_length"]
+        * c.num_hidden_layers
+        * 2
+        * c.num_key_value_heads
+        * head_dim
+    )
     floor = 1000 * (weights + kv) / bandwidth
-    ratios = {f"{k}_over_floor": decode[f"{k}_ms_per_token"] / floor for k in ("eager", "compiled")
-              if f"{k}_ms_per_token" in decode}
-    return dict(weight_bytes=weights, kv_bytes=kv, bandwidth_bytes_per_s=bandwidth, floor_ms_per_token=floor,
-                dominant="weights" if weights >= kv else "KV cache", **ratios)
+    ratios = {
+        f"{k}_over_floor": decode[f"{k}_ms_per_token"] / floor
+        for k in ("eager", "compiled")
+        if f"{k}_ms_per_token" in decode
+    }
+    return dict(
+        weight_bytes=weights,
+        kv_bytes=kv,
+        bandwidth_bytes_per_s=bandwidth,
+        floor_ms_per_token=floor,
+        dominant="weights" if weights >= kv else "KV cache",
+        **ratios,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -364,26 +473,43 @@ def decode_floor(model, decode, amp, bandwidth):
 
 
 def machine(device):
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
-    return dict(device=name, torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M %Z"))
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    )
+    return dict(
+        device=name,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M %Z"),
+    )
 
 
 def memory_verdict(meter):
     """Whether the run's peak fits each card: CUDA's reserved peak (what the allocator took from the card) plus the
     context. None on CPU, where the peak is resident host memory."""
-    peak = dict(kind="torch.cuda.max_memory_allocated" if meter.cuda else "resident memory (VmHWM)",
-                peak_bytes=meter.overall, reserved_peak_bytes=meter.overall_reserved if meter.cuda else None)
+    peak = dict(
+        kind="torch.cuda.max_memory_allocated" if meter.cuda else "resident memory (VmHWM)",
+        peak_bytes=meter.overall,
+        reserved_peak_bytes=meter.overall_reserved if meter.cuda else None,
+    )
     for card, total in CARDS.items():
-        peak[f"fits_{card.replace(' ', '')}"] = (meter.overall_reserved + CUDA_CONTEXT <= total) if meter.cuda \
-            else None
+        peak[f"fits_{card.replace(' ', '')}"] = (
+            (meter.overall_reserved + CUDA_CONTEXT <= total) if meter.cuda else None
+        )
     return peak
 
 
 # gpu_check's phases -> bench.memory_phases' names for them.
-MODEL_PHASES = {"generate": "generate", "reference": "reference log-probs", "forward_backward":
-                "policy forward + backward", "optimizer": "optimizer", "evaluation": "evaluation"}
+MODEL_PHASES = {
+    "generate": "generate",
+    "reference": "reference log-probs",
+    "forward_backward": "policy forward + backward",
+    "optimizer": "optimizer",
+    "evaluation": "evaluation",
+}
 
 
 def predicted_phases(args, config_name, tokenizer, task):
@@ -392,11 +518,23 @@ def predicted_phases(args, config_name, tokenizer, task):
     if task is None:
         return None
     shape = argparse.Namespace(
-        config=config_name, dtype=args.dtype, batch_size=args.batch_size, accumulation=args.gradient_accumulation_steps,
-        num_generations=args.num_generations, prompt_len=train.longest_prompt(task, tokenizer, None),
-        max_new_tokens=args.max_new_tokens, beta=args.beta, gradient_checkpointing=args.gradient_checkpointing,
-        eval_batch_size=args.eval_batch_size, eval_samples=args.eval_samples, compile=args.compile)
-    return {ours: sum(b for _, b in bench.memory_phases(shape)[theirs]) for ours, theirs in MODEL_PHASES.items()}
+        config=config_name,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        accumulation=args.gradient_accumulation_steps,
+        num_generations=args.num_generations,
+        prompt_len=train.longest_prompt(task, tokenizer, None),
+        max_new_tokens=args.max_new_tokens,
+        beta=args.beta,
+        gradient_checkpointing=args.gradient_checkpointing,
+        eval_batch_size=args.eval_batch_size,
+        eval_samples=args.eval_samples,
+        compile=args.compile,
+    )
+    return {
+        ours: sum(b for _, b in bench.memory_phases(shape)[theirs])
+        for ours, theirs in MODEL_PHASES.items()
+    }
 
 
 def gib(b):
@@ -406,28 +544,50 @@ def gib(b):
 def print_run(report):
     run, phases = report["run"], report["phases"]
     status = "OK" if run["ok"] else f"FAILED ({run['error'] or 'steps or evaluations missing'})"
-    print(f"run: {status}; {run['steps_done']} of {run['steps_wanted']} steps, evaluations at steps "
-          f"{run['evaluations']} of {run['evaluations_wanted']}, {run['seconds']:.1f} s in all")
+    print(
+        f"run: {status}; {run['steps_done']} of {run['steps_wanted']} steps, evaluations at steps "
+        f"{run['evaluations']} of {run['evaluations_wanted']}, {run['seconds']:.1f} s in all"
+    )
     steps = range(len(next(iter(phases.values()))["per_step"]))
-    print(f"  {'phase':<17}{'seconds':>9}{'peak':>11}   per step: " + "".join(f"{s:>8}" for s in steps))
+    print(
+        f"  {'phase':<17}{'seconds':>9}{'peak':>11}   per step: "
+        + "".join(f"{s:>8}" for s in steps)
+    )
     for name, p in phases.items():
-        print(f"  {name:<17}{p['seconds']:>9.2f}{gib(p['peak_bytes']):>11}              "
-              + "".join(f"{s:>8.2f}" for s in p["per_step"]))
-    print(f"  {'step (the loop)':<37}              {'':>8}" + "".join(f"{s:>8.2f}" for s in run["step_times"]))
+        print(
+            f"  {name:<17}{p['seconds']:>9.2f}{gib(p['peak_bytes']):>11}              "
+            + "".join(f"{s:>8.2f}" for s in p["per_step"])
+        )
+    print(
+        f"  {'step (the loop)':<37}              {'':>8}"
+        + "".join(f"{s:>8.2f}" for s in run["step_times"])
+    )
     print("  (step 0: before training; evaluation and checkpoint count at the step they follow)")
     mem = report["memory"]
-    if mem.get("model"):  # bench.py --memory's arithmetic against the measured peaks, above the baseline
-        print(f"  memory above the {gib(mem['baseline_bytes'])} in use before the model, against bench.py --memory:")
+    # bench.py --memory's arithmetic against the measured peaks, above the baseline
+    if mem.get("model"):
+        print(
+            f"  memory above the {gib(mem['baseline_bytes'])} in use before the model, against bench.py --memory:"
+        )
         for name, predicted in mem["model"].items():
             measured = phases[name]["peak_bytes"]
             if measured is not None:
                 measured -= mem["baseline_bytes"]
-                print(f"    {name:<17} measured {gib(measured):>10}, computed {gib(predicted):>10} "
-                      f"({measured / predicted - 1:+.0%})")
-    fits = ", ".join(f"{card}: {'yes' if mem['fits_' + card.replace(' ', '')] else 'NO'}" for card in CARDS)
-    print(f"  peak {gib(mem['peak_bytes'])} ({mem['kind']})" + (
-        f", reserved {gib(mem['reserved_peak_bytes'])}; with ~{gib(CUDA_CONTEXT)} of CUDA context it fits {fits}"
-        if mem["reserved_peak_bytes"] is not None else "; the 40/80 GB verdict needs a GPU run"))
+                print(
+                    f"    {name:<17} measured {gib(measured):>10}, computed {gib(predicted):>10} "
+                    f"({measured / predicted - 1:+.0%})"
+                )
+    fits = ", ".join(
+        f"{card}: {'yes' if mem['fits_' + card.replace(' ', '')] else 'NO'}" for card in CARDS
+    )
+    print(
+        f"  peak {gib(mem['peak_bytes'])} ({mem['kind']})"
+        + (
+            f", reserved {gib(mem['reserved_peak_bytes'])}; with ~{gib(CUDA_CONTEXT)} of CUDA context it fits {fits}"
+            if mem["reserved_peak_bytes"] is not None
+            else "; the 40/80 GB verdict needs a GPU run"
+        )
+    )
 
 
 def gb(b):
@@ -442,29 +602,45 @@ def print_decode(report):
     if "error" in d:
         print(f"decode: FAILED ({d['error']})")
         return
-    print(f"decode: {d['rows']} rows ({d['prompts']} prompts x G), {d['prompt_tokens']} prompt + {d['new_tokens']} "
-          f"new tokens, EOS never drawn, {report['dtype']}")
-    print(f"  eager     {d['eager_ms_per_token']:8.2f} ms/token  {f['eager_over_floor']:6.1f}x the floor")
+    print(
+        f"decode: {d['rows']} rows ({d['prompts']} prompts x G), {d['prompt_tokens']} prompt + {d['new_tokens']} "
+        f"new tokens, EOS never drawn, {report['dtype']}"
+    )
+    print(
+        f"  eager     {d['eager_ms_per_token']:8.2f} ms/token  {f['eager_over_floor']:6.1f}x the floor"
+    )
     if "compiled_ms_per_token" in d:
-        print(f"  compiled  {d['compiled_ms_per_token']:8.2f} ms/token  {f['compiled_over_floor']:6.1f}x the floor "
-              f"({d['compile_backend']}, compiled in {d['compile_seconds']:.1f} s)")
+        print(
+            f"  compiled  {d['compiled_ms_per_token']:8.2f} ms/token  {f['compiled_over_floor']:6.1f}x the floor "
+            f"({d['compile_backend']}, compiled in {d['compile_seconds']:.1f} s)"
+        )
     weights, kv = f["weight_bytes"], f["kv_bytes"]
-    print(f"  floor     {f['floor_ms_per_token']:8.2f} ms/token = {gb(weights + kv)} per token / "
-          f"{f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (measured copy bandwidth)")
-    print(f"  bytes per token: Linear weights {gb(weights)} ({weights / (weights + kv):.0%}), KV cache {gb(kv)} "
-          f"({kv / (weights + kv):.0%}): the larger part is the {f['dominant']}")
+    print(
+        f"  floor     {f['floor_ms_per_token']:8.2f} ms/token = {gb(weights + kv)} per token / "
+        f"{f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (measured copy bandwidth)"
+    )
+    print(
+        f"  bytes per token: Linear weights {gb(weights)} ({weights / (weights + kv):.0%}), KV cache {gb(kv)} "
+        f"({kv / (weights + kv):.0%}): the larger part is the {f['dominant']}"
+    )
     if report["dtype"] != "fp32":
-        print("  (eager, autocast casts each fp32 weight once per decode call and keeps the copy; the compiled "
-              "decode reads its twin, refreshed once per call)")
+        print(
+            "  (eager, autocast casts each fp32 weight once per decode call and keeps the copy; the compiled "
+            "decode reads its twin, refreshed once per call)"
+        )
 
 
 def print_report(report):
     m = report["machine"]
-    print(f"\n===== gpu_check, {m['date']}: {m['device']} | torch {m['torch']} | transformers "
-          f"{m['transformers']} | Python {m['python']}")
+    print(
+        f"\n===== gpu_check, {m['date']}: {m['device']} | torch {m['torch']} | transformers "
+        f"{m['transformers']} | Python {m['python']}"
+    )
     print(f"command: {report['command']}")
-    print(f"model: {report['config']}, random weights, {report['parameters']:,} parameters, vocab "
-          f"{report['vocab_size']} | {report['device']}, {report['dtype']}")
+    print(
+        f"model: {report['config']}, random weights, {report['parameters']:,} parameters, vocab "
+        f"{report['vocab_size']} | {report['device']}, {report['dtype']}"
+    )
     print(f"train.py {shlex.join(report['train_flags'])}")
     print_run(report)
     print_decode(report)
@@ -477,20 +653,45 @@ def print_report(report):
 
 def parse(argv):
     """(this script's options, train.py's flags: whatever follows --)."""
-    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after -- go to train.py.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prepare", metavar="SMOLLM2_DIR", help="write the kit from a SmolLM2 model directory, then exit")
-    p.add_argument("--gsm8k", default=os.path.normpath(os.path.join(HERE, "..", "shared", "data", "gsm8k")),
-                   help="with --prepare: the directory holding GSM8K's train.jsonl and test.jsonl")
+    own, rest = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to train.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--prepare",
+        metavar="SMOLLM2_DIR",
+        help="write the kit from a SmolLM2 model directory, then exit",
+    )
+    p.add_argument(
+        "--gsm8k",
+        default=os.path.normpath(os.path.join(HERE, "..", "shared", "data", "gsm8k")),
+        help="with --prepare: the directory holding GSM8K's train.jsonl and test.jsonl",
+    )
     p.add_argument("--kit", default=os.path.join(HERE, "gpu_kit"), help="the kit's directory")
-    p.add_argument("--config", default="smollm2-1.7b", choices=list(bench.CONFIGS), help="the model's shape")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="as train.py's --device")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="decode timing: new tokens per row; if not given, the run's --max-new-tokens (300)")
-    p.add_argument("--rows", type=int, default=32, help="decode timing: rows per call (a multiple of G)")
-    p.add_argument("--compile-backend", default=None,
-                   help="decode timing: torch.compile backend; if not given, inductor on CUDA, aot_eager on CPU")
+    p.add_argument(
+        "--config", default="smollm2-1.7b", choices=list(bench.CONFIGS), help="the model's shape"
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="as train.py's --device"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="decode timing: new tokens per row; if not given, the run's --max-new-tokens (300)",
+    )
+    p.add_argument(
+        "--rows", type=int, default=32, help="decode timing: rows per call (a multiple of G)"
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="decode timing: torch.compile backend; if not given, inductor on CUDA, aot_eager on CPU",
+    )
     p.add_argument("--skip-compile", action="store_true", help="decode timing: eager only")
     p.add_argument("--skip-decode", action="store_true", help="no decode timing: the run alone")
     p.add_argument("--out", help="also write the report as JSON to this file")
@@ -504,8 +705,10 @@ def check(opts, train_argv, command):
         flags = train_flags(os.path.abspath(opts.kit), opts.device, tmp) + train_argv
         args = config.parse_args(flags)
         device = torch.device(args.device)
-        opts.compile_backend = opts.compile_backend or ("inductor" if device.type == "cuda" else "aot_eager")
-        bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2 ** 20)
+        opts.compile_backend = opts.compile_backend or (
+            "inductor" if device.type == "cuda" else "aot_eager"
+        )
+        bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2**20)
         meter = Meter(device)
         baseline = meter.in_use()  # before the model: what the phases' peaks are measured above
         timer = PhaseTimer(meter)
@@ -514,9 +717,20 @@ def check(opts, train_argv, command):
     gc.collect()  # the run's optimizer, reference model and checkpoints are gone: free their memory for decode
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    report = dict(machine=machine(device), command=command, config=opts.config, device=args.device, dtype=args.dtype,
-                  train_flags=flags, run=run, phases=timer.summary(args.steps), memory=memory_verdict(meter))
-    report["memory"].update(baseline_bytes=baseline, model=predicted_phases(args, opts.config, tokenizer, task))
+    report = dict(
+        machine=machine(device),
+        command=command,
+        config=opts.config,
+        device=args.device,
+        dtype=args.dtype,
+        train_flags=flags,
+        run=run,
+        phases=timer.summary(args.steps),
+        memory=memory_verdict(meter),
+    )
+    report["memory"].update(
+        baseline_bytes=baseline, model=predicted_phases(args, opts.config, tokenizer, task)
+    )
     report.update(decode_report(model, tokenizer, task, args, opts, meter, bandwidth))
     report["ok"] = run["ok"] and "error" not in report["decode"]
     return report
@@ -526,8 +740,14 @@ def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
     """{decode, floor, parameters, vocab_size}; decode holds only an error when it failed (or the model never
     got built)."""
     if model is None:
-        return dict(decode=dict(error="no model: the run failed before building it"), parameters=0, vocab_size=0)
-    out = dict(parameters=sum(p.numel() for p in model.parameters()), vocab_size=model.config.vocab_size)
+        return dict(
+            decode=dict(error="no model: the run failed before building it"),
+            parameters=0,
+            vocab_size=0,
+        )
+    out = dict(
+        parameters=sum(p.numel() for p in model.parameters()), vocab_size=model.config.vocab_size
+    )
     if opts.skip_decode:
         return dict(out, decode=dict(skipped=True))
     try:

@@ -12,13 +12,35 @@ Shapes: N completions (= B prompts × G samples, laid out group after group), T 
 Copy this file into your project as it is: it depends on torch alone. The log-probs it takes come from
 sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling temperature.
 """
+
 import torch
 
-__all__ = ["grpo_loss", "loss_denominator", "group_advantages", "process_advantages", "completion_mask"]
+__all__ = [
+    "grpo_loss",
+    "loss_denominator",
+    "group_advantages",
+    "process_advantages",
+    "completion_mask",
+]
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.04,
-              loss_type="grpo", max_tokens=None, normalizer=None, ratio_level="token", delta=None, stats=None):
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    *,
+    epsilon=0.2,
+    epsilon_high=None,
+    beta=0.04,
+    loss_type="grpo",
+    max_tokens=None,
+    normalizer=None,
+    ratio_level="token",
+    delta=None,
+    stats=None,
+):
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
 
     logps      [N, T] log π_θ(o_t | q, o_<t), with grad.
@@ -44,6 +66,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps is None but beta != 0: the KL term needs reference log-probs")
+    # Each term of eq. 3 on its own line, its symbols aligned beside it.
+    # fmt: off
     m = mask.bool()                                                          # [N, T]
     old = logps.detach() if old_logps is None else old_logps                 # μ = 1: π_old = sg(π_θ)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages      # Â_{i,t}: [N, 1] or [N, T]
@@ -65,6 +89,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
         total = (objective.sum(1) / m.sum(1).clamp(min=1)).sum()
     else:                                                                    # Σ_{i,t}, over Σ|o_i| or N·max_tokens
         total = objective.sum()
+    # fmt: on
     if stats is not None:
         with torch.no_grad():
             clip_active = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))
@@ -74,9 +99,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, eps
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
             stats["clipped"] = (clip_active & m).sum().item()
             stats["ratio"] = ratio.masked_fill(~m, 0).sum().item()
-    denominator = loss_denominator(mask, loss_type, max_tokens) if normalizer is None else normalizer
+    denominator = (
+        loss_denominator(mask, loss_type, max_tokens) if normalizer is None else normalizer
+    )
     denominator = torch.as_tensor(denominator, dtype=total.dtype, device=total.device).clamp(min=1)
-    return -total / denominator                                              # maximize J ⇔ minimize -J
+    return -total / denominator  # maximize J ⇔ minimize -J
 
 
 def loss_denominator(mask, loss_type="grpo", max_tokens=None):
@@ -109,16 +136,18 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2 to compare completions, got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-                         f"got shape {tuple(rewards.shape)}")
-    r = rewards.float().view(-1, group_size)                                 # [B, G]
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)                     # [B, 1]
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    r = rewards.float().view(-1, group_size)  # [B, G]
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # [B, 1]
     centered = torch.where(all_equal, 0.0, r - r.mean(dim=1, keepdim=True))  # r_i - mean(r)
     if scale == "group":
         centered = centered / (r.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
         centered = centered / (rewards.float().std() + eps)
-    return centered.flatten()                                                # [N]
+    return centered.flatten()  # [N]
 
 
 def process_advantages(step_rewards, step_ends, group_size, num_tokens, *, eps=1e-4):
@@ -130,18 +159,24 @@ def process_advantages(step_rewards, step_ends, group_size, num_tokens, *, eps=1
     """
     n = len(step_rewards)
     if n != len(step_ends) or group_size < 1 or n % group_size:
-        raise ValueError("step_rewards and step_ends need one entry per completion, a multiple of group_size")
+        raise ValueError(
+            "step_rewards and step_ends need one entry per completion, a multiple of group_size"
+        )
     advantages = torch.zeros(n, num_tokens)
     for g in range(0, n, group_size):
-        pooled = torch.tensor([r for i in range(g, g + group_size) for r in step_rewards[i]], dtype=torch.float32)
+        pooled = torch.tensor(
+            [r for i in range(g, g + group_size) for r in step_rewards[i]], dtype=torch.float32
+        )
         if pooled.numel() == 0:
             continue
         equal = bool((pooled == pooled[0]).all())
         mean, std = pooled.mean(), (pooled.std() if pooled.numel() > 1 else torch.tensor(0.0))
         for i in range(g, g + group_size):
             if len(step_rewards[i]) != len(step_ends[i]):
-                raise ValueError(f"completion {i}: {len(step_rewards[i])} step rewards but "
-                                 f"{len(step_ends[i])} step ends")
+                raise ValueError(
+                    f"completion {i}: {len(step_rewards[i])} step rewards but "
+                    f"{len(step_ends[i])} step ends"
+                )
             for reward, end in zip(step_rewards[i], step_ends[i]):
                 normalized = 0.0 if equal else (reward - mean) / (std + eps)
                 advantages[i, : min(int(end), num_tokens - 1) + 1] += normalized  # tokens t <= end
@@ -157,6 +192,6 @@ def completion_mask(completion_ids, eos_token_id):
     if eos_token_id is None:
         raise ValueError("eos_token_id is None: the tokenizer has no EOS token to end completions")
     eos = torch.as_tensor(eos_token_id, device=completion_ids.device).reshape(-1)
-    is_eos = torch.isin(completion_ids, eos).long()                          # [N, T]
-    eos_before = is_eos.cumsum(dim=1) - is_eos                               # EOS tokens strictly before t
+    is_eos = torch.isin(completion_ids, eos).long()  # [N, T]
+    eos_before = is_eos.cumsum(dim=1) - is_eos  # EOS tokens strictly before t
     return (eos_before == 0).long()

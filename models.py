@@ -1,5 +1,6 @@
 """The models of a run: π_θinit loaded by name or directory, the frozen reference π_ref (Algorithm 1's lines 1 and
 3), and LoRA adapters (peft, optional)."""
+
 import copy
 import os
 import re
@@ -9,7 +10,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sampling
 from errors import UserError
-
 
 SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECASE)
 
@@ -21,7 +21,9 @@ def resolve_model_name(name):
         return os.path.expanduser(name)
     match = SMOLLM2_SHORT.fullmatch(name.strip())
     if match:
-        return f"HuggingFaceTB/SmolLM2-{match.group(1).upper()}" + ("-Instruct" if match.group(2) else "")
+        return f"HuggingFaceTB/SmolLM2-{match.group(1).upper()}" + (
+            "-Instruct" if match.group(2) else ""
+        )
     return name
 
 
@@ -42,7 +44,8 @@ def load_model(name, trust_remote_code=False):
             "Pass a local directory holding config.json and the weights, a full hub id such as "
             "HuggingFaceTB/SmolLM2-1.7B-Instruct, or a SmolLM2 short name (SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, "
             "each with or without -Instruct). On a machine without network, download the model elsewhere and pass its "
-            "directory; models with custom code also need --trust-remote-code.") from None
+            "directory; models with custom code also need --trust-remote-code."
+        ) from None
     return model, sampling.prepare_tokenizer(tokenizer)
 
 
@@ -69,14 +72,26 @@ def add_lora(model, args, resume_dir=None):
     try:
         import peft
     except ImportError:
-        raise UserError("--lora-rank needs peft, which is not installed: pip install peft") from None
+        raise UserError(
+            "--lora-rank needs peft, which is not installed: pip install peft"
+        ) from None
     targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
-    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
-                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
     try:
         if resume_dir is not None:
-            return peft.PeftModel.from_pretrained(model, os.path.join(resume_dir, "adapter"), is_trainable=True)
+            return peft.PeftModel.from_pretrained(
+                model, os.path.join(resume_dir, "adapter"), is_trainable=True
+            )
         return peft.get_peft_model(model, config)
     except (ValueError, RuntimeError, OSError) as e:  # no such module; an adapter for another model
-        raise UserError(f"LoRA: {' '.join(str(e).split())[:300]} (--lora-target-modules {args.lora_target_modules}"
-                        + (f"; the adapter in {resume_dir}/adapter" if resume_dir else "") + ").") from None
+        raise UserError(
+            f"LoRA: {' '.join(str(e).split())[:300]} (--lora-target-modules {args.lora_target_modules}"
+            + (f"; the adapter in {resume_dir}/adapter" if resume_dir else "")
+            + ")."
+        ) from None

@@ -8,6 +8,7 @@ Four panels by step: the mean reward of each reward function (the evaluations on
 markers), the KL to the reference, the completion length, and the fraction of groups whose rewards were all equal
 (zero spread: no learning signal from the rewards).
 """
+
 import json
 import os
 import sys
@@ -56,8 +57,11 @@ def open_log(output_dir, resumed_at=None):
     if distributed.is_main():
         with open(path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
-    evals = [(row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
-             for row in kept if any(k.startswith("eval/") for k in row)]
+    evals = [
+        (row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
+        for row in kept
+        if any(k.startswith("eval/") for k in row)
+    ]
     return path, evals
 
 
@@ -65,10 +69,13 @@ def curves(output_dir):
     """Write OUTPUT_DIR/curves.png and return its path; None (and one line on stdout) without matplotlib or data."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"no plot: matplotlib is not installed (pip install matplotlib, then python report.py {output_dir})")
+        print(
+            f"no plot: matplotlib is not installed (pip install matplotlib, then python report.py {output_dir})"
+        )
         return None
     if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
         print(f"no plot: there is no {output_dir}/metrics.jsonl")
@@ -78,20 +85,41 @@ def curves(output_dir):
         print(f"no plot: {output_dir}/metrics.jsonl has no steps yet")
         return None
     x = [row["step"] for row in steps]
-    names = sorted({k[len("rewards/"):] for row in steps + evals for k in row
-                    if k.startswith("rewards/") and not k.endswith("_std")})
+    names = sorted(
+        {
+            k[len("rewards/") :]
+            for row in steps + evals
+            for k in row
+            if k.startswith("rewards/") and not k.endswith("_std")
+        }
+    )
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     ax = axes[0, 0]
     for i, name in enumerate(names):
         color = f"C{i}"
-        ax.plot(x, [row.get(f"rewards/{name}") for row in steps], color=color, lw=1, label=f"{name} (train batch)")
+        ax.plot(
+            x,
+            [row.get(f"rewards/{name}") for row in steps],
+            color=color,
+            lw=1,
+            label=f"{name} (train batch)",
+        )
         ex = [row["step"] for row in evals if f"eval/{name}" in row]
-        ax.plot(ex, [row[f"eval/{name}"] for row in evals if f"eval/{name}" in row], "o--", color=color, ms=7,
-                label=f"{name} (eval)")
+        ax.plot(
+            ex,
+            [row[f"eval/{name}"] for row in evals if f"eval/{name}" in row],
+            "o--",
+            color=color,
+            ms=7,
+            label=f"{name} (eval)",
+        )
     ax.set(title="reward per function", ylabel="mean reward")
     ax.legend(fontsize=7)
-    panels = [(axes[0, 1], "kl", "KL(π_θ || π_ref) per token"), (axes[1, 0], "completion_len_mean",
-              "completion length (tokens, mean)"), (axes[1, 1], "frac_zero_std", "groups with zero reward spread")]
+    panels = [
+        (axes[0, 1], "kl", "KL(π_θ || π_ref) per token"),
+        (axes[1, 0], "completion_len_mean", "completion length (tokens, mean)"),
+        (axes[1, 1], "frac_zero_std", "groups with zero reward spread"),
+    ]
     for ax, key, title in panels:
         ax.plot(x, [row.get(key) for row in steps], color="C3", lw=1)
         ax.set(title=title)
@@ -120,12 +148,15 @@ if __name__ == "__main__":
 # (docs/logging.md), a sampled completion now and then, the header and the closing before/after table.
 
 
-def step_metrics(reward, per_fn, lengths, truncated, group_size, updates, times, steps_left, scheduler):
+def step_metrics(
+    reward, per_fn, lengths, truncated, group_size, updates, times, steps_left, scheduler
+):
     """The step's metrics, from its rewards [N], each function's {name: [N]}, the completion lengths and truncation
     flags [N] (every rank's, under torchrun); those of the updates are their mean over the μ iterations (0 when
     there was none). times: every step's seconds so far (this one last), for the ETA."""
     seconds, eta = times[-1], np.mean(times) * steps_left
-    skips = [u["skipped"] for u in updates if u["skipped"]]  # why updates were skipped (non-finite loss or gradient)
+    # why updates were skipped (non-finite loss or gradient)
+    skips = [u["skipped"] for u in updates if u["skipped"]]
 
     def mean(key):
         return float(np.mean([u[key] for u in updates])) if updates else 0.0
@@ -134,7 +165,8 @@ def step_metrics(reward, per_fn, lengths, truncated, group_size, updates, times,
     groups = reward.view(-1, group_size)
     return dict(
         loss=mean("loss"),
-        reward=reward.mean().item(), reward_std=reward.std().item(),
+        reward=reward.mean().item(),
+        reward_std=reward.std().item(),
         **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
         **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
         **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
@@ -142,26 +174,47 @@ def step_metrics(reward, per_fn, lengths, truncated, group_size, updates, times,
         clip_frac=mean("clip_frac"),
         entropy=mean("entropy"),
         grad_norm=mean("grad_norm"),
-        completion_len_mean=lengths.mean().item(), completion_len_max=int(lengths.max()),
+        completion_len_mean=lengths.mean().item(),
+        completion_len_max=int(lengths.max()),
         frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
         frac_truncated=truncated.float().mean().item(),
-        lr=updates[0]["lr"] if updates else scheduler.get_last_lr()[0], step_time=seconds,
-        tokens_per_s=lengths.sum().item() / seconds, eta_s=float(eta),
-        skipped_nonfinite=len(skips), **({"skip_reason": skips[0]} if skips else {}))
+        lr=updates[0]["lr"] if updates else scheduler.get_last_lr()[0],
+        step_time=seconds,
+        tokens_per_s=lengths.sum().item() / seconds,
+        eta_s=float(eta),
+        skipped_nonfinite=len(skips),
+        **({"skip_reason": skips[0]} if skips else {}),
+    )
 
 
 def log_step(path, step, args, m, reward_names):
-    per_fn = " ".join(f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names)
+    per_fn = " ".join(
+        f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names
+    )
     kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
-    print(f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
-          f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
-          f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
-          f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
-          + (f" | dynamic: {m['dynamic_groups']} groups kept, {m['dynamic_dropped']} dropped, {m['dynamic_calls']} "
-             "generate calls" if "dynamic_calls" in m else "")
-          + (" | SKIPPED the update: no group had reward spread" if m.get("skipped_no_spread") else "")
-          + (f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
-          flush=True)
+    print(
+        f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
+        f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
+        f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
+        f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
+        + (
+            f" | dynamic: {m['dynamic_groups']} groups kept, {m['dynamic_dropped']} dropped, {m['dynamic_calls']} "
+            "generate calls"
+            if "dynamic_calls" in m
+            else ""
+        )
+        + (
+            " | SKIPPED the update: no group had reward spread"
+            if m.get("skipped_no_spread")
+            else ""
+        )
+        + (
+            f" | SKIPPED {m['skipped_nonfinite']} update(s): {m['skip_reason']}"
+            if m["skipped_nonfinite"]
+            else ""
+        ),
+        flush=True,
+    )
     write_log(path, {"step": step, **m})
 
 
@@ -172,11 +225,18 @@ def write_log(path, row):
 
 def print_header(args, model):
     world = getattr(args, "world_size", 1)
-    print(f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
-          f"{args.steps} steps x {world * args.batch_size * args.gradient_accumulation_steps} prompts x G="
-          f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}"
-          + (f"; {world} processes, {args.batch_size * args.gradient_accumulation_steps} prompts each" if world > 1
-             else "") + f"; output {args.output_dir}", flush=True)
+    print(
+        f"GRPO: {sum(p.numel() for p in model.parameters()):,} parameters on {args.device} ({args.dtype}); "
+        f"{args.steps} steps x {world * args.batch_size * args.gradient_accumulation_steps} prompts x G="
+        f"{args.num_generations}, mu={args.num_iterations}, beta={args.beta}"
+        + (
+            f"; {world} processes, {args.batch_size * args.gradient_accumulation_steps} prompts each"
+            if world > 1
+            else ""
+        )
+        + f"; output {args.output_dir}",
+        flush=True,
+    )
 
 
 def format_seconds(s):
@@ -186,16 +246,23 @@ def format_seconds(s):
 def print_sample(args, step, prompt, responses, reward, answer):
     if args.sample_every <= 0 or step % args.sample_every:
         return
-    print(f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
-          f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---", flush=True)
+    print(
+        f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
+        f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---",
+        flush=True,
+    )
 
 
 def print_eval_table(evals, count, args):
     """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the last."""
     (first, before), (last, after) = evals[0], evals[-1]
-    print(f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
-          f"step {first} -> {last}")
+    print(
+        f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
+        f"step {first} -> {last}"
+    )
     width = max(len(name) for name in before) + 2
     print(f"  {'':<{width}}{'before':>8}{'after':>8}{'change':>9}")
     for name in before:
-        print(f"  {name:<{width}}{before[name]:>8.4f}{after[name]:>8.4f}{after[name] - before[name]:>+9.4f}")
+        print(
+            f"  {name:<{width}}{before[name]:>8.4f}{after[name]:>8.4f}{after[name] - before[name]:>+9.4f}"
+        )

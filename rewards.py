@@ -23,6 +23,7 @@ Tags are found with str.find/str.rfind and numbers with one regex without nested
 the work grows linearly with the length of the text (no catastrophic backtracking, unlike a
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
+
 import importlib
 import inspect
 import os
@@ -51,7 +52,11 @@ MAX_NUMBER_CHARS = 50
 
 def _number_text(match: re.Match) -> str | None:
     """Canonical text of a _NUMBER match: no "$" or commas, no trailing zeros after the point."""
-    sign, digits, decimals = match.group(1) or "", match.group(2).replace(",", ""), match.group(3) or ""
+    sign, digits, decimals = (
+        match.group(1) or "",
+        match.group(2).replace(",", ""),
+        match.group(3) or "",
+    )
     decimals = decimals.rstrip("0").rstrip(".")  # "18.00" -> "18", "0.50" -> "0.5"
     if len(digits) + len(decimals) > MAX_NUMBER_CHARS:
         return None
@@ -144,7 +149,9 @@ def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int)
     Example, max 100 and cache 20: length 50 -> 0, 90 -> -0.5, 110 -> -1.
     """
     if not 0 < cache_tokens <= max_tokens:
-        raise ValueError(f"need 0 < cache_tokens <= max_tokens, got cache {cache_tokens}, max {max_tokens}")
+        raise ValueError(
+            f"need 0 < cache_tokens <= max_tokens, got cache {cache_tokens}, max {max_tokens}"
+        )
     safe = max_tokens - cache_tokens
     penalties = []
     for length in lengths:
@@ -174,8 +181,10 @@ def load_reward_fn(spec):
         return spec, REWARD_FUNCS[spec]
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
-        raise UserError(f"--reward-fn {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
-                        f"brevity in ./my_rewards.py) or a built-in: {', '.join(REWARD_FUNCS)}.")
+        raise UserError(
+            f"--reward-fn {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
+            f"brevity in ./my_rewards.py) or a built-in: {', '.join(REWARD_FUNCS)}."
+        )
     if os.getcwd() not in sys.path[:1]:
         sys.path.insert(0, os.getcwd())
     try:
@@ -183,16 +192,24 @@ def load_reward_fn(spec):
     except ModuleNotFoundError as e:
         if e.name != module_name.split(".")[0] and e.name != module_name:
             raise UserError(f"--reward-fn {spec!r}: importing {module_name} failed: {e}.") from None
-        raise UserError(f"--reward-fn {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
-                        f".py in the working directory ({os.getcwd()}) or on the import path.") from None
+        raise UserError(
+            f"--reward-fn {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+            f".py in the working directory ({os.getcwd()}) or on the import path."
+        ) from None
     except Exception as e:  # a syntax error in the user's file, or an error it raises when imported
-        raise UserError(f"--reward-fn {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
-                        f"{where(e)}.") from None
+        raise UserError(
+            f"--reward-fn {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
+            f"{where(e)}."
+        ) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise UserError(f"--reward-fn {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
-                        f"{fn_name!r}; its functions: {', '.join(found) or 'none'}.")
+        found = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+        )
+        raise UserError(
+            f"--reward-fn {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
+        )
     return fn_name, fn
 
 
@@ -205,13 +222,17 @@ def check_signature(name, fn, fields):
         return
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise UserError(f"reward function {name!r} must take two arguments, (completions, answers), and return one "
-                        f"float per completion; its signature is {name}{inspect.signature(fn)}.")
+        raise UserError(
+            f"reward function {name!r} must take two arguments, (completions, answers), and return one "
+            f"float per completion; its signature is {name}{inspect.signature(fn)}."
+        )
     for p in positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]:
         if p.default is p.empty and p.name not in ("prompts", "completion_lengths", *fields):
-            raise UserError(f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts`, "
-                            f"`completion_lengths` nor a field of the data rows (fields: "
-                            f"{', '.join(fields) or 'none'}).")
+            raise UserError(
+                f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts`, "
+                f"`completion_lengths` nor a field of the data rows (fields: "
+                f"{', '.join(fields) or 'none'})."
+            )
 
 
 def wanted(fn, columns):
@@ -221,7 +242,9 @@ def wanted(fn, columns):
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return {}
-    first_two = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    first_two = [
+        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][:2]
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
     return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
 
@@ -246,18 +269,27 @@ def raised(name, e, fn, completions, answers, kwargs):
     """The message for a reward function that raised on a batch. It is called again one completion at a time to
     find the completion it fails on; if none fails alone, the message shows the batch's first completion."""
     i = first_raising(fn, completions, answers, kwargs)
-    which = (f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
-             if i is not None else "called on each completion alone it does not raise; the batch's first "
-             f"completion began: {completions[0][:200] if completions else ''!r}")
-    return (f"reward function {name!r} raised {type(e).__name__}: {e}{where(e)} on a batch of {len(completions)} "
-            f"completions; {which}. A reward function must return one float for any text, even empty or garbage.")
+    which = (
+        f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
+        if i is not None
+        else "called on each completion alone it does not raise; the batch's first "
+        f"completion began: {completions[0][:200] if completions else ''!r}"
+    )
+    return (
+        f"reward function {name!r} raised {type(e).__name__}: {e}{where(e)} on a batch of {len(completions)} "
+        f"completions; {which}. A reward function must return one float for any text, even empty or garbage."
+    )
 
 
 def first_raising(fn, completions, answers, kwargs):
     """The index of the first completion on which fn, called on it alone, raises; None if none does."""
     for i in range(len(completions)):
         try:
-            fn(completions[i:i + 1], answers[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items()})
+            fn(
+                completions[i : i + 1],
+                answers[i : i + 1],
+                **{k: v[i : i + 1] for k, v in kwargs.items()},
+            )
         except Exception:
             return i
     return None
@@ -266,7 +298,11 @@ def first_raising(fn, completions, answers, kwargs):
 def where(e):
     """ " (file.py:12)": where an exception was raised, for the message (a SyntaxError names its place itself)."""
     frames = traceback.extract_tb(e.__traceback__)
-    if isinstance(e, SyntaxError) or not frames or os.path.abspath(frames[-1].filename) == os.path.abspath(__file__):
+    if (
+        isinstance(e, SyntaxError)
+        or not frames
+        or os.path.abspath(frames[-1].filename) == os.path.abspath(__file__)
+    ):
         return ""  # a SyntaxError names its place itself; one raised here is about the value, not the user's code
     return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
 
@@ -277,38 +313,51 @@ def as_rewards(name, values, completions):
     returned = values
     if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
         values = values.reshape(-1)  # an array or tensor [N, 1]
-    if isinstance(values, (dict, set, frozenset, str, bytes)):  # keys, or no order: not one value per completion
-        raise UserError(f"reward function {name!r} returned a {type(values).__name__}; it must return a list with one "
-                        f"number per completion ({n}), in the completions' order.")
+    # keys, or no order: not one value per completion
+    if isinstance(values, (dict, set, frozenset, str, bytes)):
+        raise UserError(
+            f"reward function {name!r} returned a {type(values).__name__}; it must return a list with one "
+            f"number per completion ({n}), in the completions' order."
+        )
     try:
         values = list(values)  # a list, a tuple, a tensor, an array, a generator
     except Exception as e:  # not iterable, or a generator that raised
-        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned a "
-                        f"{type(returned).__name__} ({type(e).__name__}: {e}{where(e)}). The batch's first completion "
-                        f"began: {(completions[0] if completions else '')[:200]!r}") from None
+        raise UserError(
+            f"reward function {name!r} must return one number per completion ({n}); it returned a "
+            f"{type(returned).__name__} ({type(e).__name__}: {e}{where(e)}). The batch's first completion "
+            f"began: {(completions[0] if completions else '')[:200]!r}"
+        ) from None
     if len(values) != n:
-        raise UserError(f"reward function {name!r} must return one number per completion ({n}); it returned "
-                        f"{len(values)} values: {str(values)[:200]}. The batch's first completion began: "
-                        f"{(completions[0] if completions else '')[:200]!r}")
+        raise UserError(
+            f"reward function {name!r} must return one number per completion ({n}); it returned "
+            f"{len(values)} values: {str(values)[:200]}. The batch's first completion began: "
+            f"{(completions[0] if completions else '')[:200]!r}"
+        )
     out = []
     for i, v in enumerate(values):
         try:
-            out.append(float(v) if not isinstance(v, (str, bytes)) else float("x"))  # numbers, bools, 0-d tensors
+            # numbers, bools, 0-d tensors
+            out.append(float(v) if not isinstance(v, (str, bytes)) else float("x"))
         except (TypeError, ValueError):
-            raise UserError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}, which "
-                            f"is not a number. The completion began: {completions[i][:200]!r}") from None
+            raise UserError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}, which "
+                f"is not a number. The completion began: {completions[i][:200]!r}"
+            ) from None
         if out[-1] != out[-1] or out[-1] in (float("inf"), float("-inf")):
-            raise UserError(f"reward function {name!r} returned {v} for completion {i}: rewards must be finite "
-                            f"numbers (NaN or inf would reach the weights). The completion began: "
-                            f"{completions[i][:200]!r}")
+            raise UserError(
+                f"reward function {name!r} returned {v} for completion {i}: rewards must be finite "
+                f"numbers (NaN or inf would reach the weights). The completion began: "
+                f"{completions[i][:200]!r}"
+            )
     return torch.tensor(out, dtype=torch.float32)
 
 
 class Reward(NamedTuple):
     """One reward function and its weight: fn(completions, answers, ...) -> one float per completion."""
-    name: str          # the name it is logged under: rewards/<name>, eval/<name>
+
+    name: str  # the name it is logged under: rewards/<name>, eval/<name>
     fn: Callable
-    weight: float      # the total reward is the weighted sum of all the task's reward functions
+    weight: float  # the total reward is the weighted sum of all the task's reward functions
 
 
 def weighted(named_fns, weights):
@@ -325,21 +374,30 @@ def from_flags(args, defaults, fields=()):
     names += ["overlong"] if args.overlong_buffer > 0 else []
     weights = args.reward_weights or [1.0] * len(names)
     if len(weights) != len(names):
-        raise UserError(f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
-                        f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
-                        f"{len(weights)}.")
+        raise UserError(
+            f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
+            f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
+            f"{len(weights)}."
+        )
     if "reward" in names:
-        raise UserError("no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
-                        "function.")
+        raise UserError(
+            "no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
+            "function."
+        )
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise UserError(f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
-                        "and reward model may be given once, and their names must differ.")
+        raise UserError(
+            f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
+            "and reward model may be given once, and their names must differ."
+        )
     for name, fn in named:
         check_signature(name, fn, fields)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)  # the compute dtype
-    named += [(model_name(path), RewardModel(path, args.device, args.trust_remote_code, dtype=dtype))
-              for path in args.reward_model]
+    # the compute dtype
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)
+    named += [
+        (model_name(path), RewardModel(path, args.device, args.trust_remote_code, dtype=dtype))
+        for path in args.reward_model
+    ]
     if args.overlong_buffer > 0:
         named.append(("overlong", overlong_reward(args.max_new_tokens, args.overlong_buffer)))
     return weighted(named, weights)
@@ -348,8 +406,10 @@ def from_flags(args, defaults, fields=()):
 def overlong_reward(max_tokens, buffer):
     """--overlong-buffer: DAPO's soft overlong punishment (overlong_penalty, eq. 13) as a reward function of the
     completions' token counts, with L_max = max_tokens (the generation budget) and L_cache = buffer."""
+
     def overlong(completions, answers, completion_lengths):
         return overlong_penalty(completion_lengths, max_tokens, buffer)
+
     return overlong
 
 
@@ -364,35 +424,60 @@ class RewardModel:
     `dtype` (from_flags: the run's compute dtype, so bf16 on CUDA by default), frozen. Text: the model's chat template over the user prompt and the assistant
     response when its tokenizer has one, else the prompt, a newline and the response. Fits the reward contract."""
 
-    def __init__(self, path_or_id, device="cpu", trust_remote_code=False, batch_size=16, dtype=torch.float32):
+    def __init__(
+        self, path_or_id, device="cpu", trust_remote_code=False, batch_size=16, dtype=torch.float32
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                path_or_id, trust_remote_code=trust_remote_code
+            )
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                path_or_id, dtype=dtype, trust_remote_code=trust_remote_code)
+                path_or_id, dtype=dtype, trust_remote_code=trust_remote_code
+            )
         except Exception as e:  # missing, offline, not a sequence classifier
-            raise UserError(f"--reward-model {path_or_id!r}: could not load it as a sequence classifier "
-                            f"({' '.join(str(e).split())[:300]}). Pass a local directory with config.json, the "
-                            "weights and a tokenizer, or a hub id.") from None
+            raise UserError(
+                f"--reward-model {path_or_id!r}: could not load it as a sequence classifier "
+                f"({' '.join(str(e).split())[:300]}). Pass a local directory with config.json, the "
+                "weights and a tokenizer, or a hub id."
+            ) from None
         if self.model.config.num_labels != 1:
-            raise UserError(f"--reward-model {path_or_id!r} has {self.model.config.num_labels} outputs; a reward model "
-                            "has one, its score for the text (num_labels=1 in its config).")
+            raise UserError(
+                f"--reward-model {path_or_id!r} has {self.model.config.num_labels} outputs; a reward model "
+                "has one, its score for the text (num_labels=1 in its config)."
+            )
         self.batch_size = batch_size
-        if self.tokenizer.pad_token is None:  # pad with EOS (the score is read at the last non-pad token)
+        # pad with EOS (the score is read at the last non-pad token)
+        if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-            self.batch_size = batch_size if self.tokenizer.pad_token is not None else 1  # nothing to pad with
-        self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"  # keep the end of long texts
+            # nothing to pad with
+            self.batch_size = batch_size if self.tokenizer.pad_token is not None else 1
+        # keep the end of long texts
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = (
+            "right",
+            "left",
+        )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        limits = [n for n in (self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings",
-                                                                       None)) if n and n < 10**9]
+        limits = [
+            n
+            for n in (
+                self.tokenizer.model_max_length,
+                getattr(self.model.config, "max_position_embeddings", None),
+            )
+            if n and n < 10**9
+        ]
         self.max_length = min(limits) if limits else None
         self.model.to(device).eval().requires_grad_(False)
 
     def text(self, prompt, response):
         if getattr(self.tokenizer, "chat_template", None) is None:
             return f"{prompt}\n{response}"
-        chat = [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": response}]
+        chat = [
+            {"role": "user", "content": str(prompt)},
+            {"role": "assistant", "content": response},
+        ]
         return self.tokenizer.apply_chat_template(chat, tokenize=False)
 
     @torch.no_grad()
@@ -400,9 +485,14 @@ class RewardModel:
         texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
         scores = []
         for i in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                   truncation=self.max_length is not None, max_length=self.max_length,
-                                   add_special_tokens=getattr(self.tokenizer, "chat_template", None) is None)
+            batch = self.tokenizer(
+                texts[i : i + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+                add_special_tokens=getattr(self.tokenizer, "chat_template", None) is None,
+            )
             device = next(self.model.parameters()).device
             scores += self.model(**batch.to(device)).logits[:, 0].float().tolist()
         return scores

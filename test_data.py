@@ -1,6 +1,7 @@
 """data.py: loading GSM8K (and its download cache), prompts and the system prompt, batches as a pure function of seed
 and step, and your own task's JSONL rows and held-out rows. Files are written under tmp_path; nothing is downloaded.
 """
+
 import io
 import json
 import os
@@ -112,7 +113,8 @@ def test_build_prompt_uses_the_chat_template_with_generation_prompt():
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")), unk_token="[UNK]"
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+        unk_token="[UNK]",
     )
     tokenizer.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -132,22 +134,32 @@ def test_build_prompt_without_chat_template_falls_back_to_plain_text():
 
 def test_plain_text_prompt_starts_with_the_bos_token_id_when_the_tokenizer_has_one():
     tokenizer = demo.word_tokenizer(["<pad>", "<eos>", "<s>", "Be", "brief."], unk_token="<pad>")
-    tokenizer.add_special_tokens({"bos_token": "<s>"})  # as a base model's tokenizer has it: a special token
+    # as a base model's tokenizer has it: a special token
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
     assert tokenizer.chat_template is None
-    ids, _ = sampling.tokenize_prompts(tokenizer, [build_prompt(tokenizer, "2?", system_prompt="Be brief.")], "cpu")
+    ids, _ = sampling.tokenize_prompts(
+        tokenizer, [build_prompt(tokenizer, "2?", system_prompt="Be brief.")], "cpu"
+    )
     assert ids[0, :3].tolist() == [2, 3, 4]  # <s> Be brief.
 
 
 def test_system_prompt_takes_text_or_a_file_and_defaults_by_task(tmp_path):
-    tokenizer = demo.word_tokenizer(demo.WORDS)  # no chat template: the plain-text prompt shows the system prompt
+    # no chat template: the plain-text prompt shows the system prompt
+    tokenizer = demo.word_tokenizer(demo.WORDS)
     (tmp_path / "system.txt").write_text("Be brief.\nVery.")
-    for flag, expected in [([], "1 + 1 =\n"),
-                           (["--system-prompt", "Be brief.\\nVery."], "Be brief.\nVery.\n\n1 + 1 =\n"),
-                           (["--system-prompt", f"@{tmp_path / 'system.txt'}"], "Be brief.\nVery.\n\n1 + 1 =\n")]:
+    for flag, expected in [
+        ([], "1 + 1 =\n"),
+        (["--system-prompt", "Be brief.\\nVery."], "Be brief.\nVery.\n\n1 + 1 =\n"),
+        (["--system-prompt", f"@{tmp_path / 'system.txt'}"], "Be brief.\nVery.\n\n1 + 1 =\n"),
+    ]:
         task = data.task_from_flags(config.parse_args(own_task_argv(tmp_path, *flag)))
         assert task.prompt(tokenizer, "1 + 1 =") == expected
     gsm8k = [*CPU, "--data", write_gsm8k(tmp_path / "gsm.jsonl"), "--eval-every", "-1"]
-    assert data.task_from_flags(config.parse_args(gsm8k)).prompt(tokenizer, "q").startswith(SYSTEM_PROMPT)
+    assert (
+        data.task_from_flags(config.parse_args(gsm8k))
+        .prompt(tokenizer, "q")
+        .startswith(SYSTEM_PROMPT)
+    )
     no_system = data.task_from_flags(config.parse_args([*gsm8k, "--system-prompt", ""]))
     assert no_system.prompt(tokenizer, "q") == "Question: q\nAnswer:\n"
     with pytest.raises(config.UserError, match="--system-prompt @.*could not read the file"):
@@ -170,7 +182,8 @@ def test_batches_shuffle_each_epoch_and_cover_every_row_once():
 def test_batches_depend_on_seed_and_step_alone_so_a_resumed_run_sees_the_same_ones():
     rows = [{"question": str(i), "answer": str(i)} for i in range(25)]
     straight = [batch_at(rows, 4, 7, step) for step in range(12)]
-    resumed = [batch_at(list(rows), 4, 7, step) for step in range(5, 12)]  # a fresh process, from step 5
+    # a fresh process, from step 5
+    resumed = [batch_at(list(rows), 4, 7, step) for step in range(5, 12)]
     assert resumed == straight[5:]
     assert batch_at(rows, 4, 7, 9) == straight[9]
     assert batch_at(rows, 4, 8, 9) != straight[9]  # another seed, another order
@@ -183,7 +196,11 @@ def test_batch_at_rejects_batch_larger_than_the_data():
 
 def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
     rows = list(range(20))
-    assert batch_at(rows, 4, 7, 3, stream=1) == batch_at(rows, 4, 7, 3, stream=1) != batch_at(rows, 4, 7, 3)
+    assert (
+        batch_at(rows, 4, 7, 3, stream=1)
+        == batch_at(rows, 4, 7, 3, stream=1)
+        != batch_at(rows, 4, 7, 3)
+    )
     assert batch_at(rows, 4, 7, 3, stream=0) == batch_at(rows, 4, 7, 3)
 
 
@@ -191,20 +208,29 @@ def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
 
 
 def test_any_jsonl_is_read_with_its_fields_as_they_are(tmp_path):
-    path = write_rows(tmp_path / "rows.jsonl", [{"q": "Say hi", "gold": {"any": ["json"]}, "level": 3},
-                                                {"q": "Say bye", "gold": 7}])
+    path = write_rows(
+        tmp_path / "rows.jsonl",
+        [{"q": "Say hi", "gold": {"any": ["json"]}, "level": 3}, {"q": "Say bye", "gold": 7}],
+    )
     assert data.load_jsonl(path, "q", "gold") == [
         {"question": "Say hi", "answer": {"any": ["json"]}, "fields": {"level": 3}},
-        {"question": "Say bye", "answer": 7, "fields": {}}]
+        {"question": "Say bye", "answer": 7, "fields": {}},
+    ]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"prompt": "p"}', "{path}:2: no answer field 'answer' (fields: prompt)"),
-    ('{"answer": "a"}', "{path}:2: the prompt field 'prompt' is missing (fields: answer)"),
-    ('{"prompt": ["p"], "answer": "a"}', "{path}:2: the prompt field 'prompt' is a list, not a string"),
-    ('{"prompt": "p", ', "{path}:2: malformed JSON"),
-    ('["p", "a"]', "{path}:2: expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "p"}', "{path}:2: no answer field 'answer' (fields: prompt)"),
+        ('{"answer": "a"}', "{path}:2: the prompt field 'prompt' is missing (fields: answer)"),
+        (
+            '{"prompt": ["p"], "answer": "a"}',
+            "{path}:2: the prompt field 'prompt' is a list, not a string",
+        ),
+        ('{"prompt": "p", ', "{path}:2: malformed JSON"),
+        ('["p", "a"]', "{path}:2: expected a JSON object, got list"),
+    ],
+)
 def test_a_bad_row_of_your_own_jsonl_names_its_file_and_line(tmp_path, capsys, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "p", "answer": "a"}\n' + line + "\n")
@@ -215,16 +241,30 @@ def test_a_bad_row_of_your_own_jsonl_names_its_file_and_line(tmp_path, capsys, l
     assert message.format(path=path) in capsys.readouterr().err
 
 
-def test_your_own_task_evaluates_on_eval_data_with_the_same_fields_and_never_downloads_gsm8k(tmp_path, monkeypatch,
-                                                                                          capsys):
-    monkeypatch.setattr(data, "_download", lambda split: pytest.fail("downloaded GSM8K for a task that is not GSM8K"))
+def test_your_own_task_evaluates_on_eval_data_with_the_same_fields_and_never_downloads_gsm8k(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(
+        data,
+        "_download",
+        lambda split: pytest.fail("downloaded GSM8K for a task that is not GSM8K"),
+    )
     args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0"))
     assert data.task_from_flags(args).eval == []
-    assert "no --eval-data: this task is not GSM8K, so there is no evaluation" in capsys.readouterr().out
-    held_out = write_rows(tmp_path / "held_out.jsonl", [{"prompt": "9 + 1 =", "answer": "10", "id": 9}])
+    assert (
+        "no --eval-data: this task is not GSM8K, so there is no evaluation"
+        in capsys.readouterr().out
+    )
+    held_out = write_rows(
+        tmp_path / "held_out.jsonl", [{"prompt": "9 + 1 =", "answer": "10", "id": 9}]
+    )
     args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0", "--eval-data", held_out))
-    assert data.task_from_flags(args).eval == [{"question": "9 + 1 =", "answer": "10", "fields": {"id": 9}}]
-    with pytest.raises(config.UserError, match="--eval-only on your own task needs its held-out rows"):
+    assert data.task_from_flags(args).eval == [
+        {"question": "9 + 1 =", "answer": "10", "fields": {"id": 9}}
+    ]
+    with pytest.raises(
+        config.UserError, match="--eval-only on your own task needs its held-out rows"
+    ):
         data.task_from_flags(config.parse_args(own_task_argv(tmp_path, "--eval-only")))
 
 

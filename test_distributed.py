@@ -1,6 +1,7 @@
 """Data parallel on the CPU: DDP and FSDP2 gradients over 2 gloo ranks equal the one-process gradient (fp32, summed in
 another order: ~1e-8, asked 1e-6), and train.py under torchrun (the demo, FSDP2, exact resume). No rank sees a GPU.
 """
+
 import os
 
 import torch
@@ -28,12 +29,28 @@ def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
     if fsdp:
         distributed.shard_model(model)
     optimizer, grads = torch.optim.SGD(model.parameters(), lr=0.0), {}
-    optimizer.register_step_pre_hook(lambda *_: grads.update(
-        {name: (p.grad.full_tensor() if fsdp else p.grad).clone() for name, p in model.named_parameters()}))
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.update(
+            {
+                name: (p.grad.full_tensor() if fsdp else p.grad).clone()
+                for name, p in model.named_parameters()
+            }
+        )
+    )
     ref = torch.full(rollouts.completion_mask.shape, -2.0)
-    train.policy_update(model, optimizer, get_scheduler("constant", optimizer), rollouts, advantages, None, ref,
-                        objective=train.Objective(0.2, None, 0.04, loss_type, "token", 6, None), micro_batch_size=4,
-                        max_grad_norm=float("inf"), ddp=ddp)
+    train.policy_update(
+        model,
+        optimizer,
+        get_scheduler("constant", optimizer),
+        rollouts,
+        advantages,
+        None,
+        ref,
+        objective=train.Objective(0.2, None, 0.04, loss_type, "token", 6, None),
+        micro_batch_size=4,
+        max_grad_norm=float("inf"),
+        ddp=ddp,
+    )
     assert grads, "the optimizer never stepped"
     return grads
 
@@ -46,31 +63,49 @@ def distributed_batch():
 def distributed_gradient_worker(rank, world, init_file, out_dir):
     """One rank of the equality test: its own group of the batch, gradients all-reduced by DDP."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     rollouts, advantages = distributed_batch()
     for loss_type in ("grpo", "dapo", "dr_grpo"):
-        mine = sampling.select_groups(rollouts, [rank]), advantages[4 * rank:4 * rank + 4], loss_type
-        torch.save(one_update_gradients(*mine, ddp=distributed.wrap), f"{out_dir}/{loss_type}-rank{rank}.pt")
-        torch.save(one_update_gradients(*mine, fsdp=True), f"{out_dir}/{loss_type}-fsdp-rank{rank}.pt")
+        mine = (
+            sampling.select_groups(rollouts, [rank]),
+            advantages[4 * rank : 4 * rank + 4],
+            loss_type,
+        )
+        torch.save(
+            one_update_gradients(*mine, ddp=distributed.wrap),
+            f"{out_dir}/{loss_type}-rank{rank}.pt",
+        )
+        torch.save(
+            one_update_gradients(*mine, fsdp=True), f"{out_dir}/{loss_type}-fsdp-rank{rank}.pt"
+        )
     dist.destroy_process_group()
 
 
 # --- DDP and FSDP2 gradients equal the one-process gradient -----------------------------------------------------------
 
 
-def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(tmp_path, monkeypatch):
+def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
+    tmp_path, monkeypatch
+):
     # DDP and FSDP2 alike. fp32 on both sides; the sums differ in order only (and the average of world x loss over
     # ranks): ~1e-8, asked 1e-6. The spawned ranks see no GPU (NO_GPU): CPU tensors and gloo only. This process's
     # environment changes for the spawn alone (a CUDA device count first read under it would stay 0 for the session).
     with monkeypatch.context() as m:
         for name, value in NO_GPU.items():
             m.setenv(name, value)
-        torch.multiprocessing.spawn(distributed_gradient_worker, args=(2, str(tmp_path / "store"), str(tmp_path)),
-                                    nprocs=2)
+        torch.multiprocessing.spawn(
+            distributed_gradient_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2
+        )
     rollouts, advantages = distributed_batch()
     for loss_type in ("grpo", "dapo", "dr_grpo"):
         expected = one_update_gradients(rollouts, advantages, loss_type)  # one process, both groups
-        for run in (f"{loss_type}-rank0", f"{loss_type}-rank1", f"{loss_type}-fsdp-rank0", f"{loss_type}-fsdp-rank1"):
+        for run in (
+            f"{loss_type}-rank0",
+            f"{loss_type}-rank1",
+            f"{loss_type}-fsdp-rank0",
+            f"{loss_type}-fsdp-rank1",
+        ):
             got = torch.load(tmp_path / f"{run}.pt")
             for name, grad in expected.items():
                 torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=f"{run}: {name}")
@@ -86,9 +121,13 @@ def test_distributed_demo_under_torchrun_writes_one_log_and_one_checkpoint_and_l
     out = torchrun(tmp_path / "run", "--steps", "50", "--eval-every", "0")
     assert "2 processes" in out and out.count("step 50/50") == 1  # rank 0 alone prints
     rows = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [0] + list(range(1, 51)) + [50]  # eval, 50 steps, eval: written once
-    assert {"checkpoint", "metrics.jsonl"} <= set(os.listdir(tmp_path / "run")) <= {"checkpoint", "metrics.jsonl",
-                                                                                  "curves.png"}
+    # eval, 50 steps, eval: written once
+    assert [r["step"] for r in rows] == [0] + list(range(1, 51)) + [50]
+    assert (
+        {"checkpoint", "metrics.jsonl"}
+        <= set(os.listdir(tmp_path / "run"))
+        <= {"checkpoint", "metrics.jsonl", "curves.png"}
+    )
     state = checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))
     assert state["step"] == 50 and len(state["rngs"]) == 2 and state["args"]["world_size"] == 2
     before, after = rows[0]["eval/correctness"], rows[-1]["eval/correctness"]
@@ -96,12 +135,27 @@ def test_distributed_demo_under_torchrun_writes_one_log_and_one_checkpoint_and_l
 
 
 def test_distributed_fsdp_demo_runs_5_steps_under_gloo_and_saves_whole_weights(tmp_path):
-    out = torchrun(tmp_path / "run", "--fsdp", "--steps", "5", "--eval-every", "5", "--eval-limit", "7",
-                   "--eval-batch-size", "2")  # 4 and 3 questions per rank: rank 1 joins a generate call it drops
+    # 4 and 3 questions per rank: rank 1 joins a generate call it drops
+    out = torchrun(
+        tmp_path / "run",
+        "--fsdp",
+        "--steps",
+        "5",
+        "--eval-every",
+        "5",
+        "--eval-limit",
+        "7",
+        "--eval-batch-size",
+        "2",
+    )
     assert out.count("step 5/5") == 1 and "eval @ step 5" in out
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()  # whole, HF format
+    saved = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "run" / "checkpoint"
+    ).state_dict()  # whole, HF format
     initial, _ = demo.model_and_tokenizer(seed=42)
-    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in initial.state_dict().items()}
+    assert {k: v.shape for k, v in saved.items()} == {
+        k: v.shape for k, v in initial.state_dict().items()
+    }
     assert all(torch.isfinite(v).all() for v in saved.values())
 
 

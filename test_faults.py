@@ -2,6 +2,7 @@
 and torn renames, non-finite losses, gradients and rewards, degenerate batches, and bad input (one-paragraph errors,
 exit code 2).
 """
+
 import errno
 import math
 import os
@@ -35,9 +36,30 @@ from conftest import (
     write_gsm8k,
 )
 
-FAULT_ARGV = [*CPU, "--demo", "--demo-warmup-steps", "0", "--batch-size", "2",
-              "--gradient-accumulation-steps", "2", "--num-generations", "4", "--num-iterations", "2", "--save-every",
-              "1", "--eval-every", "4", "--eval-limit", "4", "--eval-samples", "2", "--sample-every", "0"]
+FAULT_ARGV = [
+    *CPU,
+    "--demo",
+    "--demo-warmup-steps",
+    "0",
+    "--batch-size",
+    "2",
+    "--gradient-accumulation-steps",
+    "2",
+    "--num-generations",
+    "4",
+    "--num-iterations",
+    "2",
+    "--save-every",
+    "1",
+    "--eval-every",
+    "4",
+    "--eval-limit",
+    "4",
+    "--eval-samples",
+    "2",
+    "--sample-every",
+    "0",
+]
 
 
 def train_subprocess(out_dir, env, steps, kill_after=None):
@@ -45,10 +67,18 @@ def train_subprocess(out_dir, env, steps, kill_after=None):
     SIGKILL it that many seconds after its first line about training ("GRPO: ..."), unless it finished first."""
     argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
     argv += ["--resume"] if checkpoint.find(str(out_dir)) else []
-    log, started = f"{out_dir}.log", lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0
+    log, started = (
+        f"{out_dir}.log",
+        lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0,
+    )
     before = started()
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=HERE, env=env,
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "train.py"), *argv],
+        cwd=HERE,
+        env=env,
+        stdout=open(log, "a"),
+        stderr=subprocess.STDOUT,
+    )
     if kill_after is not None:
         while proc.poll() is None and started() == before:
             time.sleep(0.05)
@@ -64,7 +94,9 @@ def nan_loss_in_steps(monkeypatch, steps):
     def loss(*args, **kwargs):
         calls.append(1)
         out = real(*args, **kwargs)
-        return out * float("nan") if (len(calls) + 1) // 2 in steps else out  # 2 micro-batches per step
+        # 2 micro-batches per step
+        return out * float("nan") if (len(calls) + 1) // 2 in steps else out
+
     monkeypatch.setattr(grpo, "grpo_loss", loss)
 
 
@@ -74,26 +106,53 @@ def bad_input_cases(tmp_path):
     bad.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q", "answer": \n')
     return {
         "one generation": (["--num-generations", "1"], ["--num-generations", "at least 2"]),
-        "unknown model": (["--model", "no-such-model-anywhere", "--data", good, "--eval-every", "-1"],
-                          ["could not load model", "Tried", "no-such-model-anywhere"]),
+        "unknown model": (
+            ["--model", "no-such-model-anywhere", "--data", good, "--eval-every", "-1"],
+            ["could not load model", "Tried", "no-such-model-anywhere"],
+        ),
         "missing model dir": (["--model", "./no/such/dir", "--data", good], ["not a directory"]),
         "missing data": (["--data", str(tmp_path / "missing.jsonl")], ["no such file"]),
         "malformed data": (["--data", str(bad)], [f"{bad}:2"]),
-        "micro-batch not whole groups": (["--micro-batch-size", "12"], ["multiple of --num-generations (8)"]),
+        "micro-batch not whole groups": (
+            ["--micro-batch-size", "12"],
+            ["multiple of --num-generations (8)"],
+        ),
         "eval limit 0": (["--eval-limit", "0"], ["--eval-limit must be at least 1"]),
-        "negative early stop": (["--stop-when-zero-std", "-1"], ["--stop-when-zero-std must be at least 0"]),
+        "negative early stop": (
+            ["--stop-when-zero-std", "-1"],
+            ["--stop-when-zero-std must be at least 0"],
+        ),
         "plot without metrics": (["--plot", str(tmp_path)], ["no metrics.jsonl"]),
         "negative seed": (["--seed", "-1"], ["--seed must be at least 0, got -1"]),
-        "output dir is a file": (["--data", good, "--output-dir", good], ["is a file, not a directory"]),
+        "output dir is a file": (
+            ["--data", good, "--output-dir", good],
+            ["is a file, not a directory"],
+        ),
         "nothing to resume": (tiny_argv(tmp_path / "empty", "--resume"), ["no checkpoint"]),
-        "unknown reward module": (["--data", good, "--eval-every", "-1", "--reward-fn", "no_such_rewards:f"],
-                                  ["no_such_rewards.py"]),
-        "too many weights": (["--data", good, "--eval-every", "-1", "--reward-weights", "1,1,1"],
-                             ["one weight per reward", "got 3"]),
+        "unknown reward module": (
+            ["--data", good, "--eval-every", "-1", "--reward-fn", "no_such_rewards:f"],
+            ["no_such_rewards.py"],
+        ),
+        "too many weights": (
+            ["--data", good, "--eval-every", "-1", "--reward-weights", "1,1,1"],
+            ["one weight per reward", "got 3"],
+        ),
         "prompt field, no data": (["--prompt-field", "text"], ["pass it with --data PATH"]),
-        "fewer rows than a step": (["--data", write_gsm8k(tmp_path / "three.jsonl", n=3), "--eval-every", "-1",
-                                    "--model", tiny_model_dir(tmp_path)], ["a step takes 4 prompts", "has 3 rows"]),
-        "fsdp alone": (["--fsdp"], ["--fsdp shards the model over processes: start it with torchrun"]),
+        "fewer rows than a step": (
+            [
+                "--data",
+                write_gsm8k(tmp_path / "three.jsonl", n=3),
+                "--eval-every",
+                "-1",
+                "--model",
+                tiny_model_dir(tmp_path),
+            ],
+            ["a step takes 4 prompts", "has 3 rows"],
+        ),
+        "fsdp alone": (
+            ["--fsdp"],
+            ["--fsdp shards the model over processes: start it with torchrun"],
+        ),
     }
 
 
@@ -102,14 +161,26 @@ def bad_input_cases(tmp_path):
 
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
 def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, monkeypatch, how):
-    argv = ["--steps", "4", "--num-iterations", "2", "--eval-every", "2", "--eval-limit", "4", "--eval-samples", "2"]
+    argv = [
+        "--steps",
+        "4",
+        "--num-iterations",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-limit",
+        "4",
+        "--eval-samples",
+        "2",
+    ]
     run_tiny(tmp_path / "straight", *argv)
 
     # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
     real_score, scored = rewards.score, []
 
     def interrupt_at_step_3(reward_fns, completions, *a, **kw):
-        scored.append(len(completions) == 16)  # a training step's 4 prompts x G = 4 (an evaluation scores 4 x 2)
+        # a training step's 4 prompts x G = 4 (an evaluation scores 4 x 2)
+        scored.append(len(completions) == 16)
         if sum(scored) == 3 and scored[-1]:
             raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash")
         return real_score(reward_fns, completions, *a, **kw)
@@ -123,14 +194,25 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     run_tiny(tmp_path / "resumed", *interrupted, "--resume")
 
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    assert [r["step"] for r in straight] == [0, 1, 2, 2, 3, 4, 4]  # eval rows at 0, 2, 4 and the four steps
-    assert without_time(resumed) == without_time(straight)  # exact: losses, rewards, KL, grad norms, evals
+    # eval rows at 0, 2, 4 and the four steps
+    assert [r["step"] for r in straight] == [
+        0,
+        1,
+        2,
+        2,
+        3,
+        4,
+        4,
+    ]
+    # exact: losses, rewards, KL, grad norms, evals
+    assert without_time(resumed) == without_time(straight)
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
 @pytest.mark.parametrize("at_step", [2, 4], ids=["periodic-eval", "final-eval"])
-def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_evaluation(tmp_path, monkeypatch,
-                                                                                             how, at_step):
+def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_evaluation(
+    tmp_path, monkeypatch, how, at_step
+):
     argv = ["--steps", "4", "--eval-every", "2", "--eval-limit", "4", "--eval-samples", "2"]
     run_tiny(tmp_path / "straight", *argv)
     real_evaluate, evaluated = train.evaluate, []
@@ -138,35 +220,63 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
     def cut_short(*a, **kw):
         evaluated.append(1)
         if len(evaluated) == 1 + at_step // 2:  # evaluations at steps 0, 2, 4
-            raise KeyboardInterrupt if how == "ctrl-c" else RuntimeError("simulated crash in the evaluation")
+            raise (
+                KeyboardInterrupt
+                if how == "ctrl-c"
+                else RuntimeError("simulated crash in the evaluation")
+            )
         return real_evaluate(*a, **kw)
 
     monkeypatch.setattr(train, "evaluate", cut_short)
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
-        run_tiny(tmp_path / "cut", *argv)  # --save-every 0: the only checkpoints are the ones before evaluations
+        # --save-every 0: the only checkpoints are the ones before evaluations
+        run_tiny(tmp_path / "cut", *argv)
     assert checkpoint.load_state(checkpoint.find(str(tmp_path / "cut")))["step"] == at_step
     monkeypatch.setattr(train, "evaluate", real_evaluate)
     evals = run_tiny(tmp_path / "cut", *argv, "--resume")
     assert [step for step, _ in evals] == [0, 2, 4]
-    assert without_time(read_metrics(tmp_path / "cut")) == without_time(read_metrics(tmp_path / "straight"))
+    assert without_time(read_metrics(tmp_path / "cut")) == without_time(
+        read_metrics(tmp_path / "straight")
+    )
 
 
 def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_reference_apart(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data_file = write_gsm8k(tmp_path / "train.jsonl")
-    argv = [*CPU, "--data", data_file, "--num-generations", "2", "--max-new-tokens", "4", "--eval-every", "-1",
-            "--sample-every", "0", "--output-dir", str(tmp_path / "run"), "--beta", "0.1"]
+    argv = [
+        *CPU,
+        "--data",
+        data_file,
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-every",
+        "-1",
+        "--sample-every",
+        "0",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--beta",
+        "0.1",
+    ]
     train.main(["--model", model_dir, "--steps", "1", *argv])
     resumed = str(tmp_path / "run" / "checkpoint")
-    train.main(["--model", resumed, "--steps", "2", "--resume", *argv])  # the reference: the checkpoint's weights
+    # the reference: the checkpoint's weights
+    train.main(["--model", resumed, "--steps", "2", "--resume", *argv])
     rows = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2] and math.isfinite(rows[1]["grad_norm"]) and rows[1]["kl"] == 0.0
+    assert (
+        [r["step"] for r in rows] == [1, 2]
+        and math.isfinite(rows[1]["grad_norm"])
+        and rows[1]["kl"] == 0.0
+    )
 
 
 def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     run_tiny(tmp_path / "run", "--steps", "2", "--save-every", "1")
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "loss": 0.1')  # a kill in the middle of a write, after the last checkpoint
+        # a kill in the middle of a write, after the last checkpoint
+        f.write('{"step": 3, "loss": 0.1')
     run_tiny(tmp_path / "run", "--steps", "3", "--save-every", "1", "--resume")
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
     assert "skipping a line cut short" in capsys.readouterr().err
@@ -175,25 +285,41 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
 def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(tmp_path):
     """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
     anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
-    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")  # a step and its save: about 0.5 s
-    rng, kills = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))), int(os.environ.get("GRPO_KILLS", "3"))
-    steps = 4 * kills  # each kill comes within 1.5 s (at most 3 steps) of its process starting to train
+    # a step and its save: about 0.5 s
+    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
+    rng, kills = (
+        random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))),
+        int(os.environ.get("GRPO_KILLS", "3")),
+    )
+    # each kill comes within 1.5 s (at most 3 steps) of its process starting to train
+    steps = 4 * kills
     assert train_subprocess(tmp_path / "straight", env, steps) == 0
-    codes = [train_subprocess(tmp_path / "killed", env, steps, kill_after=rng.uniform(0.1, 1.5)) for _ in range(kills)]
+    codes = [
+        train_subprocess(tmp_path / "killed", env, steps, kill_after=rng.uniform(0.1, 1.5))
+        for _ in range(kills)
+    ]
     assert codes == [-9] * kills  # each one really was killed, before the run could finish
     assert train_subprocess(tmp_path / "killed", env, steps) == 0  # the last resume runs to the end
     straight, killed = tmp_path / "straight" / "checkpoint", tmp_path / "killed" / "checkpoint"
-    assert (killed / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
-    assert without_time(read_metrics(tmp_path / "killed")) == without_time(read_metrics(tmp_path / "straight"))
+    assert (killed / "model.safetensors").read_bytes() == (
+        straight / "model.safetensors"
+    ).read_bytes()
+    assert without_time(read_metrics(tmp_path / "killed")) == without_time(
+        read_metrics(tmp_path / "straight")
+    )
     assert checkpoint.load_state(str(killed))["step"] == steps
 
 
 def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tmp_path):
     run_tiny(tmp_path, "--steps", "1")
-    with pytest.raises(config.UserError, match="--resume: flags differ from the checkpoint's \\(--beta was 0.04, "
-                                               "now 0.1; --lr was 0.002, now 0.001\\)"):
+    with pytest.raises(
+        config.UserError,
+        match="--resume: flags differ from the checkpoint's \\(--beta was 0.04, "
+        "now 0.1; --lr was 0.002, now 0.001\\)",
+    ):
         run_tiny(tmp_path, "--steps", "2", "--resume", "--lr", "1e-3", "--beta", "0.1")
-    run_tiny(tmp_path, "--steps", "2", "--resume", "--save-every", "3", "--sample-every", "1")  # these may change
+    # these may change
+    run_tiny(tmp_path, "--steps", "2", "--resume", "--save-every", "3", "--sample-every", "1")
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
 
 
@@ -202,8 +328,21 @@ def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys
     demo.tiny_llama(len(demo.WORDS), 0, hidden_size=32, intermediate_size=64).save_pretrained(other)
     demo.word_tokenizer(demo.WORDS).save_pretrained(other)
     train_file = write_gsm8k(tmp_path / "train.jsonl")
-    argv = [*CPU, "--data", train_file, "--steps", "1", "--num-generations", "2", "--max-new-tokens", "4",
-            "--eval-every", "-1", "--output-dir", str(tmp_path / "run")]
+    argv = [
+        *CPU,
+        "--data",
+        train_file,
+        "--steps",
+        "1",
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-every",
+        "-1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     train.main(["--model", tiny_model_dir(tmp_path), *argv])
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
@@ -224,26 +363,42 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_p
         if len(calls) == 2:  # the second checkpoint's training_state.pt
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, path, *args, **kwargs)
+
     monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(checkpoint.SaveFailed, match="No space left on device. Nothing was replaced: the previous "
-                                                    "checkpoint, .*checkpoint, is intact"):
+    with pytest.raises(
+        checkpoint.SaveFailed,
+        match="No space left on device. Nothing was replaced: the previous "
+        "checkpoint, .*checkpoint, is intact",
+    ):
         run_tiny(tmp_path, "--steps", "3", "--save-every", "1")
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 1
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "metrics.jsonl"]  # no checkpoint.tmp left behind
+    # no checkpoint.tmp left behind
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint",
+        "metrics.jsonl",
+    ]
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")  # loadable
 
 
-def test_checkpoint_files_and_directories_are_fsynced_before_and_after_the_renames(tmp_path, monkeypatch):
+def test_checkpoint_files_and_directories_are_fsynced_before_and_after_the_renames(
+    tmp_path, monkeypatch
+):
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     events, real_fsync, real_replace = [], os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-                        or real_fsync(fd))
-    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a), str(b))) or real_replace(a, b))
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd),
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: events.append(("replace", str(a), str(b))) or real_replace(a, b)
+    )
     final = checkpoint.save(str(tmp_path), model, tokenizer, {"step": 1})
     rename = events.index(("replace", final + ".tmp", final))
     synced_before = {path for kind, path, *_ in events[:rename] if kind == "fsync"}
     files = {os.path.join(final + ".tmp", name) for name in os.listdir(final)}
-    assert files | {final + ".tmp"} <= synced_before and len(files) >= 4  # every file, then the directory
+    # every file, then the directory
+    assert files | {final + ".tmp"} <= synced_before and len(files) >= 4
     assert ("fsync", str(tmp_path)) in events[rename:]  # the rename itself reaches the disk
 
 
@@ -254,56 +409,80 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
     checkpoint.save(out, model, tokenizer, {"step": 2})
     assert sorted(os.listdir(out)) == ["checkpoint"]  # no .tmp or .old left behind
     assert checkpoint.load_state(checkpoint.find(out))["step"] == 2
-    os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))  # as if killed mid-swap
+    # as if killed mid-swap
+    os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))
     assert checkpoint.find(out).endswith("checkpoint.old")
 
 
 # --- non-finite losses, gradients and rewards; degenerate batches -----------------------------------------------------
 
 
-def test_a_nan_loss_skips_the_update_weights_and_adamw_unchanged_and_logs_why(tmp_path, monkeypatch):
+def test_a_nan_loss_skips_the_update_weights_and_adamw_unchanged_and_logs_why(
+    tmp_path, monkeypatch
+):
     initial = {k: v.clone() for k, v in demo.model_and_tokenizer(seed=42)[0].state_dict().items()}
     nan_loss_in_steps(monkeypatch, steps={1})
     run_tiny(tmp_path, "--steps", "1")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
     assert all(torch.equal(saved[k], v) for k, v in initial.items())
     state = checkpoint.load_state(str(tmp_path / "checkpoint"))
-    assert state["optimizer"]["state"] == {} and state["scheduler"]["last_epoch"] == 0  # AdamW never stepped
+    # AdamW never stepped
+    assert state["optimizer"]["state"] == {} and state["scheduler"]["last_epoch"] == 0
     row = read_metrics(tmp_path)[0]
     assert row["skipped_nonfinite"] == 1 and row["skip_reason"] == "non-finite loss"
 
 
 def test_a_non_finite_gradient_norm_skips_the_update(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
+    monkeypatch.setattr(
+        torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf"))
+    )
     run_tiny(tmp_path, "--steps", "1")
     assert read_metrics(tmp_path)[0]["skip_reason"] == "non-finite gradient norm"
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["optimizer"]["state"] == {}
 
 
-def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weights(tmp_path, monkeypatch):
+def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weights(
+    tmp_path, monkeypatch
+):
     nan_loss_in_steps(monkeypatch, steps={2, 3, 4})
     with pytest.raises(config.UserError, match="2 optimizer updates in a row were skipped"):
         run_tiny(tmp_path, "--steps", "5", "--max-nonfinite", "2")
     rows = read_metrics(tmp_path)
-    assert [r["skipped_nonfinite"] for r in rows] == [0, 1]  # step 3's skip stopped the run before its log line
+    # step 3's skip stopped the run before its log line
+    assert [r["skipped_nonfinite"] for r in rows] == [
+        0,
+        1,
+    ]
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 3
     after_step_1 = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
     monkeypatch.undo()
     run_tiny(tmp_path / "one", "--steps", "1")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "checkpoint").state_dict()
-    assert all(torch.equal(after_step_1[k], v) for k, v in reference.items())  # skipped updates changed nothing
+    # skipped updates changed nothing
+    assert all(torch.equal(after_step_1[k], v) for k, v in reference.items())
 
 
-@pytest.mark.parametrize("bad, message", [(float("nan"), "returned nan for completion 3"),
-                                          (float("inf"), "returned inf for completion 3"),
-                                          ("short", "must return one number per completion (16)")])
-def test_a_reward_that_is_not_finite_stops_the_run_naming_the_function_and_saves(tmp_path, bad, message):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (float("nan"), "returned nan for completion 3"),
+        (float("inf"), "returned inf for completion 3"),
+        ("short", "must return one number per completion (16)"),
+    ],
+)
+def test_a_reward_that_is_not_finite_stops_the_run_naming_the_function_and_saves(
+    tmp_path, bad, message
+):
     def reward(completions, answers):
-        return [1.0] * 15 if bad == "short" else [0.0, 1.0, 0.0, bad] + [0.0] * (len(completions) - 4)
+        return (
+            [1.0] * 15 if bad == "short" else [0.0, 1.0, 0.0, bad] + [0.0] * (len(completions) - 4)
+        )
+
     with pytest.raises(config.UserError, match="reward function 'correctness' ") as info:
         run_tiny(tmp_path, reward=reward)
     assert message in str(info.value)
-    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 0  # before any update: redo step 1
+    # before any update: redo step 1
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 0
 
 
 @pytest.mark.parametrize("case", ["eos_first", "no_eos", "all_groups_zero_std"])
@@ -311,11 +490,12 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
     real_generate = sampling.generate
 
     def degenerate(model, prompt_ids, prompt_mask, settings, *a, **kw):
-        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)   # [B*G, C] completions
+        # [B*G, C] completions
+        out = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw)
         if case == "eos_first":  # every completion is just EOS (then padding)
             out[:, 0] = demo.EOS
             out[:, 1:] = demo.PAD
-        elif case == "no_eos":   # every completion runs to the token budget without EOS
+        elif case == "no_eos":  # every completion runs to the token budget without EOS
             out = torch.full((out.shape[0], settings.max_new_tokens), 10)
         return out
 
@@ -337,14 +517,20 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
 # --- model names and bad input ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, resolved", [
-    ("SmolLM2-1.7B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"),
-    ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    ("SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M"),
-    ("HuggingFaceTB/SmolLM2-1.7B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"),
-    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
-    ("SmolLM2-7B", "SmolLM2-7B"),  # not a SmolLM2 size: left alone (and then fails to load with a clear error)
-])
+@pytest.mark.parametrize(
+    "name, resolved",
+    [
+        ("SmolLM2-1.7B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"),
+        ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ("SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M"),
+        ("HuggingFaceTB/SmolLM2-1.7B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"),
+        ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+        (
+            "SmolLM2-7B",
+            "SmolLM2-7B",
+        ),  # not a SmolLM2 size: left alone (and then fails to load with a clear error)
+    ],
+)
 def test_short_names_resolve_to_huggingfacetb_and_hub_ids_pass_through(name, resolved):
     assert models.resolve_model_name(name) == resolved
 
@@ -355,18 +541,36 @@ def test_an_existing_local_directory_wins_over_the_short_name(tmp_path, monkeypa
     assert models.resolve_model_name("SmolLM2-135M") == "SmolLM2-135M"
 
 
-@pytest.mark.parametrize("case", ["one generation", "unknown model", "missing model dir", "missing data",
-                                  "malformed data", "micro-batch not whole groups", "eval limit 0",
-                                  "negative early stop", "plot without metrics", "negative seed",
-                                  "output dir is a file", "nothing to resume", "unknown reward module",
-                                  "too many weights", "prompt field, no data", "fewer rows than a step",
-                                  "fsdp alone"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "one generation",
+        "unknown model",
+        "missing model dir",
+        "missing data",
+        "malformed data",
+        "micro-batch not whole groups",
+        "eval limit 0",
+        "negative early stop",
+        "plot without metrics",
+        "negative seed",
+        "output dir is a file",
+        "nothing to resume",
+        "unknown reward module",
+        "too many weights",
+        "prompt field, no data",
+        "fewer rows than a step",
+        "fsdp alone",
+    ],
+)
 def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypatch, capsys, case):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never reach for the network
+    # never reach for the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     argv, expected = bad_input_cases(tmp_path)[case]
     capsys.readouterr()  # building the cases (a saved model) may print: only main's output counts
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*CPU, "--output-dir", str(tmp_path / "run")] + argv)  # a case's own --output-dir wins
+        # a case's own --output-dir wins
+        train.main([*CPU, "--output-dir", str(tmp_path / "run")] + argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.strip().count("\n") == 0
@@ -382,4 +586,8 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(mo
     with pytest.raises(SystemExit) as exit_info:
         train.main([*CPU, "--demo"])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "--micro-batch-size" in err and "--gradient-checkpointing" in err
+    assert (
+        exit_info.value.code == 2
+        and "--micro-batch-size" in err
+        and "--gradient-checkpointing" in err
+    )

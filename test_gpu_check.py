@@ -3,6 +3,7 @@ machine runs it. No SmolLM2 here: the kit's tokenizer is a word-level one over G
 
     python -m pytest -q test_gpu_check.py
 """
+
 import json
 import os
 import subprocess
@@ -16,16 +17,22 @@ import gpu_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ChatML as SmolLM2's template writes it, with spaces between the tags and the words: one token each, word-level.
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
 PHASES = ("generate", "reference", "forward_backward", "optimizer", "evaluation", "checkpoint")
 
 
 def gsm8k_rows(n):
     """Row i: "Tom has i apples and buys b more ..." with b = 2 + i % 5, answer i + b."""
-    return [{"question": f"Tom has {i} apples and buys {2 + i % 5} more. How many apples does Tom have now?",
-             "answer": f"Tom has {i} + {2 + i % 5} = {i + 2 + i % 5} apples.\n#### {i + 2 + i % 5}"}
-            for i in range(n)]
+    return [
+        {
+            "question": f"Tom has {i} apples and buys {2 + i % 5} more. How many apples does Tom have now?",
+            "answer": f"Tom has {i} + {2 + i % 5} = {i + 2 + i % 5} apples.\n#### {i + 2 + i % 5}",
+        }
+        for i in range(n)
+    ]
 
 
 def write_gsm8k(directory, train=70, test=40):
@@ -54,7 +61,12 @@ def save_word_tokenizer(path, size=2048, eos="<|im_end|>"):
 def kit(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
     source = save_word_tokenizer(tmp / "smollm2-like")
-    assert gpu_check.main(["--prepare", source, "--gsm8k", write_gsm8k(tmp / "gsm8k"), "--kit", str(tmp / "kit")]) == 0
+    assert (
+        gpu_check.main(
+            ["--prepare", source, "--gsm8k", write_gsm8k(tmp / "gsm8k"), "--kit", str(tmp / "kit")]
+        )
+        == 0
+    )
     return str(tmp / "kit")
 
 
@@ -65,12 +77,19 @@ def test_prepare_keeps_the_tokenizer_and_the_first_64_train_32_test_rows(kit):
     tokenizer = gpu_check.load_kit_tokenizer(kit)
     assert len(tokenizer) == 2048 and tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.padding_side == "left" and tokenizer.pad_token == "<pad>"
-    assert gpu_check.tree_bytes(kit) < 1 << 20  # a MiB: SmolLM2's tokenizer makes the real kit about 3.4 MiB
+    # a MiB: SmolLM2's tokenizer makes the real kit about 3.4 MiB
+    assert gpu_check.tree_bytes(kit) < 1 << 20
 
 
 def test_build_model_takes_the_tokenizers_vocabulary_when_larger_and_its_eos_and_pad(tmp_path):
-    tokenizer = gpu_check.AutoTokenizer.from_pretrained(save_word_tokenizer(tmp_path / "tok", size=3000))
-    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", "system"  # ids 3 and 4, not demo.tiny_llama's 1 and 0
+    tokenizer = gpu_check.AutoTokenizer.from_pretrained(
+        save_word_tokenizer(tmp_path / "tok", size=3000)
+    )
+    # ids 3 and 4, not demo.tiny_llama's 1 and 0
+    tokenizer.eos_token, tokenizer.pad_token = (
+        "<|im_start|>",
+        "system",
+    )
     model = gpu_check.build_model("tiny", tokenizer, "cpu")
     assert model.config.vocab_size == 3000  # bench.CONFIGS["tiny"] has 2048
     assert model.generation_config.eos_token_id == model.config.eos_token_id == 3
@@ -79,11 +98,33 @@ def test_build_model_takes_the_tokenizers_vocabulary_when_larger_and_its_eos_and
 
 def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     out = tmp_path / "report.json"
-    command = [sys.executable, os.path.join(HERE, "gpu_check.py"), "--config", "tiny", "--device", "cpu", "--kit", kit,
-               "--compile-backend", "aot_eager", "--rows", "16", "--out", str(out),
-               "--", "--max-new-tokens", "4", "--eval-limit", "2", "--dtype", "bf16"]
+    command = [
+        sys.executable,
+        os.path.join(HERE, "gpu_check.py"),
+        "--config",
+        "tiny",
+        "--device",
+        "cpu",
+        "--kit",
+        kit,
+        "--compile-backend",
+        "aot_eager",
+        "--rows",
+        "16",
+        "--out",
+        str(out),
+        "--",
+        "--max-new-tokens",
+        "4",
+        "--eval-limit",
+        "2",
+        "--dtype",
+        "bf16",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     run = report["run"]
@@ -91,26 +132,37 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     assert run["steps_done"] == 3 and run["evaluations"] == run["evaluations_wanted"] == [0, 3]
     assert len(run["step_times"]) == 3 and set(run["eval_results"]) == {"0", "3"}
     assert report["dtype"] == "bf16" and report["vocab_size"] == 2048
-    calls = dict(generate=3, reference=3, forward_backward=3, optimizer=3, evaluation=2, checkpoint=1)
+    calls = dict(
+        generate=3, reference=3, forward_backward=3, optimizer=3, evaluation=2, checkpoint=1
+    )
     for name in PHASES:
         phase = report["phases"][name]
-        assert phase["calls"] == calls[name] and phase["seconds"] > 0 and phase["peak_bytes"] > 0, name
+        assert phase["calls"] == calls[name] and phase["seconds"] > 0 and phase["peak_bytes"] > 0, (
+            name
+        )
         assert sum(phase["per_step"]) == pytest.approx(phase["seconds"])
-    assert report["phases"]["evaluation"]["per_step"][1:3] == [0, 0]  # before training and after step 3 only
-    assert report["memory"]["peak_bytes"] > 0 and report["memory"]["fits_40GB"] is None  # CPU: no card verdict
+    # before training and after step 3 only
+    assert report["phases"]["evaluation"]["per_step"][1:3] == [
+        0,
+        0,
+    ]
+    # CPU: no card verdict
+    assert report["memory"]["peak_bytes"] > 0 and report["memory"]["fits_40GB"] is None
     decode, floor = report["decode"], report["floor"]
     assert decode["rows"] == 16 and decode["prompts"] == 2 and decode["new_tokens"] == 4
     assert decode["eager_ms_per_token"] > 0 and decode["compiled_ms_per_token"] > 0
     # bf16: 2 bytes per Linear parameter, 4 layers of 4*128^2 + 3*128*512 and the tied 2048 x 128 lm-head once;
     # the KV cache: 16 rows x (prompt + 4) positions x 4 layers x keys and values x 4 heads x 32 dims x 2 bytes.
-    assert floor["weight_bytes"] == 2 * (4 * (4 * 128 ** 2 + 3 * 128 * 512) + 2048 * 128) == 2_621_440
+    assert floor["weight_bytes"] == 2 * (4 * (4 * 128**2 + 3 * 128 * 512) + 2048 * 128) == 2_621_440
     assert floor["kv_bytes"] == 16 * (decode["prompt_tokens"] + 4) * 4 * 2 * 4 * 32 * 2
     assert floor["floor_ms_per_token"] > 0 and floor["bandwidth_bytes_per_s"] > 0
     assert floor["eager_over_floor"] > 0 and floor["compiled_over_floor"] > 0
     assert "===== OK" in done.stdout and "decode: 16 rows" in done.stdout
 
 
-def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_model_in_bf16(kit, tmp_path):
+def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_model_in_bf16(
+    kit, tmp_path
+):
     # bench.memory_phases computes each phase's memory from the architecture (weights, AdamW, the bf16 reference,
     # autocast's copy, gradients, KV cache, activations, the lm-head's chunks); gpu_check measures the real loop's
     # peak per phase. On CPU the measure is resident memory above what was in use before the model; with glibc's
@@ -119,12 +171,38 @@ def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_mo
     # read 15-30% high). Measured 2026-11-23 on GSM8K prompts: -7% to +4% per phase. Bound: 15%, the allocator's
     # slack and Python's own objects.
     out = tmp_path / "report.json"
-    command = [sys.executable, os.path.join(HERE, "gpu_check.py"), "--config", "smollm2-135m", "--device", "cpu",
-               "--kit", kit, "--skip-decode", "--out", str(out),
-               "--", "--dtype", "bf16", "--max-new-tokens", "4", "--num-generations", "2",
-               "--gradient-accumulation-steps", "1", "--eval-limit", "1", "--eval-samples", "2", "--steps", "2"]
+    command = [
+        sys.executable,
+        os.path.join(HERE, "gpu_check.py"),
+        "--config",
+        "smollm2-135m",
+        "--device",
+        "cpu",
+        "--kit",
+        kit,
+        "--skip-decode",
+        "--out",
+        str(out),
+        "--",
+        "--dtype",
+        "bf16",
+        "--max-new-tokens",
+        "4",
+        "--num-generations",
+        "2",
+        "--gradient-accumulation-steps",
+        "1",
+        "--eval-limit",
+        "1",
+        "--eval-samples",
+        "2",
+        "--steps",
+        "2",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     memory = report["memory"]

@@ -6,6 +6,7 @@ Nothing here touches the network; models and tokenizers are built in code.
 Tolerances: values computed in fp32 from a handful of exp/log ops agree with the exact decimals to about
 1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals themselves have 6 places).
 """
+
 import math
 
 import pytest
@@ -20,8 +21,15 @@ def one_token_objective(ratio, advantage, **kwargs):
     """J for one completion of one token with the given ratio and advantage; returns (J, dJ/dlogπ_θ)."""
     logps = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 1, dtype=torch.float64)
-    loss = grpo_loss(logps, old, None, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1),
-                     beta=0.0, **kwargs)
+    loss = grpo_loss(
+        logps,
+        old,
+        None,
+        torch.tensor([advantage], dtype=torch.float64),
+        torch.ones(1, 1),
+        beta=0.0,
+        **kwargs,
+    )
     loss.backward()
     return -loss.item(), -logps.grad.item()
 
@@ -38,10 +46,15 @@ EOS, PAD = 2, 0
 
 
 # ---------------------------------------------------------------- the surrogate, no clipping in play
-@pytest.mark.parametrize("ratio,advantage,expected", [(1.2, 0.7, 0.84), (1.2, -0.7, -0.84),
-                                                       (0.8, 0.7, 0.56), (0.8, -0.7, -0.56)])
-def test_unclipped_objective_is_ratio_times_advantage_e_g_1_2_times_0_7_is_0_84(ratio, advantage, expected):
-    objective, grad = one_token_objective(ratio, advantage, epsilon=10.0)  # a clip range that never binds
+@pytest.mark.parametrize(
+    "ratio,advantage,expected",
+    [(1.2, 0.7, 0.84), (1.2, -0.7, -0.84), (0.8, 0.7, 0.56), (0.8, -0.7, -0.56)],
+)
+def test_unclipped_objective_is_ratio_times_advantage_e_g_1_2_times_0_7_is_0_84(
+    ratio, advantage, expected
+):
+    # a clip range that never binds
+    objective, grad = one_token_objective(ratio, advantage, epsilon=10.0)
     assert objective == pytest.approx(expected, abs=TOL)
     assert grad == pytest.approx(expected, abs=TOL)  # d(r·A)/dlog π = r·A
 
@@ -64,22 +77,42 @@ def test_clip_ratio_1_5_advantage_minus_1_is_not_clipped_min_is_pessimistic():
 
 
 # ---------------------------------------------------------------- dual clip δ (two-sided clipping)
-@pytest.mark.parametrize("ratio, advantage, delta, expected", [
-    (10.0, -1.0, None, (-10.0, -10.0)),  # without δ: unbounded below, and the gradient grows with r
-    (10.0, -1.0, 4.0, (-4.0, 0.0)),      # δ caps it at δ·Â = -4, no gradient
-    (3.0, -1.0, 4.0, (-3.0, -3.0)),      # below δ: unchanged, r·Â
-    (10.0, 1.0, 4.0, (1.2, 0.0)),        # Â > 0: clip(r)·Â = 1.2 as without δ
-    (0.5, -1.0, 4.0, (-0.8, 0.0)),       # r < 1 - ε, Â < 0: the ordinary clip, (1 - ε)·Â
-])
-def test_dual_clip_delta_bounds_the_objective_where_the_advantage_is_negative(ratio, advantage, delta, expected):
+@pytest.mark.parametrize(
+    "ratio, advantage, delta, expected",
+    [
+        (
+            10.0,
+            -1.0,
+            None,
+            (-10.0, -10.0),
+        ),  # without δ: unbounded below, and the gradient grows with r
+        (10.0, -1.0, 4.0, (-4.0, 0.0)),  # δ caps it at δ·Â = -4, no gradient
+        (3.0, -1.0, 4.0, (-3.0, -3.0)),  # below δ: unchanged, r·Â
+        (10.0, 1.0, 4.0, (1.2, 0.0)),  # Â > 0: clip(r)·Â = 1.2 as without δ
+        (0.5, -1.0, 4.0, (-0.8, 0.0)),  # r < 1 - ε, Â < 0: the ordinary clip, (1 - ε)·Â
+    ],
+)
+def test_dual_clip_delta_bounds_the_objective_where_the_advantage_is_negative(
+    ratio, advantage, delta, expected
+):
     assert one_token_objective(ratio, advantage, delta=delta) == pytest.approx(expected, abs=TOL)
 
 
 def test_dual_clip_counts_tokens_capped_by_delta_as_clipped():
     logps = torch.log(torch.tensor([[10.0, 3.0, 10.0]]))
     stats = {}
-    grpo_loss(logps, torch.zeros(1, 3), None, torch.tensor([-1.0]), torch.ones(1, 3), beta=0.0, delta=4.0,
-              epsilon=100.0, stats=stats)  # ε = 100: only δ can clip
+    # ε = 100: only δ can clip
+    grpo_loss(
+        logps,
+        torch.zeros(1, 3),
+        None,
+        torch.tensor([-1.0]),
+        torch.ones(1, 3),
+        beta=0.0,
+        delta=4.0,
+        epsilon=100.0,
+        stats=stats,
+    )
     assert stats["clipped"] == 2 and stats["tokens"] == 3
 
 
@@ -93,7 +126,9 @@ def test_clip_higher_epsilon_high_0_28_lets_1_25_through_and_caps_1_5_at_1_28():
 def test_stats_count_clipped_tokens():
     logps = torch.log(torch.tensor([[1.3, 1.1, 0.7, 1.5]]))
     stats = {}
-    grpo_loss(logps, torch.zeros(1, 4), None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0, stats=stats)
+    grpo_loss(
+        logps, torch.zeros(1, 4), None, torch.tensor([1.0]), torch.ones(1, 4), beta=0.0, stats=stats
+    )
     assert stats["tokens"] == 4 and stats["clipped"] == 2  # 1.3 and 1.5 exceed 1 + ε with A > 0
     assert stats["ratio"] == pytest.approx(1.3 + 1.1 + 0.7 + 1.5, abs=1e-5)
 
@@ -101,26 +136,55 @@ def test_stats_count_clipped_tokens():
 def test_stats_count_clipped_tokens_with_negative_advantage():
     # A = -1: r = 0.7 is below 1 - ε, so the clipped term is the active one; r = 1.5 is not clipped (min picks r·A).
     stats = {}
-    grpo_loss(torch.log(torch.tensor([[0.7, 1.5, 0.9]])), torch.zeros(1, 3), None, torch.tensor([-1.0]),
-              torch.ones(1, 3), beta=0.0, stats=stats)
+    grpo_loss(
+        torch.log(torch.tensor([[0.7, 1.5, 0.9]])),
+        torch.zeros(1, 3),
+        None,
+        torch.tensor([-1.0]),
+        torch.ones(1, 3),
+        beta=0.0,
+        stats=stats,
+    )
     assert stats["clipped"] == 1 and stats["tokens"] == 3
 
 
 # ---------------------------------------------------------------- k3, the KL estimator of eq. 4
-@pytest.mark.parametrize("x,expected", [(0.5, 0.148721), (-0.5, 0.106531), (math.log(2), 0.306853),
-                                        (-math.log(2), 0.193147), (0.0, 0.0)])
+@pytest.mark.parametrize(
+    "x,expected",
+    [
+        (0.5, 0.148721),
+        (-0.5, 0.106531),
+        (math.log(2), 0.306853),
+        (-math.log(2), 0.193147),
+        (0.0, 0.0),
+    ],
+)
 def test_k3_at_log_ref_over_pi(x, expected):
     # A = 0 and β = 1 leave only the KL term: loss = k3(x) with x = log π_ref - log π_θ.
-    loss = grpo_loss(torch.zeros(1, 1, dtype=torch.float64), None, torch.tensor([[x]], dtype=torch.float64),
-                     torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), beta=1.0)
+    loss = grpo_loss(
+        torch.zeros(1, 1, dtype=torch.float64),
+        None,
+        torch.tensor([[x]], dtype=torch.float64),
+        torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, 1),
+        beta=1.0,
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_k3_is_never_negative():
     x = torch.linspace(-20, 20, 4001, dtype=torch.float64)[:, None]
     stats = {}
-    grpo_loss(torch.zeros_like(x), None, x, torch.zeros(len(x), dtype=torch.float64), torch.ones_like(x),
-              beta=1.0, loss_type="dapo", stats=stats)
+    grpo_loss(
+        torch.zeros_like(x),
+        None,
+        x,
+        torch.zeros(len(x), dtype=torch.float64),
+        torch.ones_like(x),
+        beta=1.0,
+        loss_type="dapo",
+        stats=stats,
+    )
     k3 = torch.exp(x) - x - 1
     assert (k3 >= 0).all() and stats["kl"] == pytest.approx(k3.sum().item(), rel=1e-9)
 
@@ -134,8 +198,15 @@ def test_step_1_policy_equals_reference_so_loss_is_minus_advantage_2_and_kl_is_0
     with torch.no_grad():
         ref = token_logprobs(model, ids, attention, 5)
     stats = {}
-    loss = grpo_loss(logps, None, ref if beta else None, torch.full((4,), 2.0), torch.ones(4, 5), beta=beta,
-                     stats=stats)
+    loss = grpo_loss(
+        logps,
+        None,
+        ref if beta else None,
+        torch.full((4,), 2.0),
+        torch.ones(4, 5),
+        beta=beta,
+        stats=stats,
+    )
     assert loss.item() == pytest.approx(-2.0, abs=TOL) and stats["kl"] == 0.0
 
 
@@ -144,9 +215,9 @@ def test_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
     torch.manual_seed(0)
     group, length, beta = 4, 6, 0.04
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    adv = group_advantages(rewards, group)                                  # standardized: Σ_i Â_i = 0
+    adv = group_advantages(rewards, group)  # standardized: Σ_i Â_i = 0
     mask = torch.ones(group, length)
-    mask[1, 2:] = 0                                                          # |o| = [6, 2, 6, 4]
+    mask[1, 2:] = 0  # |o| = [6, 2, 6, 4]
     mask[3, 4:] = 0
     logps = (-torch.rand(group, length) * 3).requires_grad_()
     ref = -torch.rand(group, length) * 3
@@ -154,10 +225,11 @@ def test_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
     x = ref - logps.detach()
     lengths = mask.sum(1, keepdim=True)
     mean_kl = (((torch.exp(x) - x - 1) * mask).sum(1) / lengths.squeeze(1)).mean()
-    assert loss.item() == pytest.approx(beta * mean_kl.item(), abs=1e-7)    # the policy term is exactly 0
+    # the policy term is exactly 0
+    assert loss.item() == pytest.approx(beta * mean_kl.item(), abs=1e-7)
     loss.backward()
     closed_form = -(adv[:, None] + beta * (torch.exp(x) - 1)) / (group * lengths) * mask
-    assert logps.grad.abs().max() > 0.01                                     # a zero loss, a real gradient
+    assert logps.grad.abs().max() > 0.01  # a zero loss, a real gradient
     torch.testing.assert_close(logps.grad, closed_form, rtol=1e-5, atol=1e-7)
 
 
@@ -176,7 +248,8 @@ def test_advantages_of_equal_rewards_are_exactly_0():
     assert group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0]), 4).tolist() == [0.0] * 4
     # 0.1 + 0.1 + 0.1 is not 0.3 in floating point; the group still gets exact zeros
     adv = group_advantages(torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5]), 3, scale="batch")
-    assert adv[:3].tolist() == [0.0, 0.0, 0.0] and adv[3:].abs().min() == 0.0  # 0.5 is the mean of group 2
+    # 0.5 is the mean of group 2
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0] and adv[3:].abs().min() == 0.0
 
 
 def test_advantages_scale_none_is_reward_minus_group_mean():
@@ -187,7 +260,7 @@ def test_advantages_scale_none_is_reward_minus_group_mean():
 def test_advantages_scale_batch_divides_by_whole_batch_std():
     rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
     adv = group_advantages(rewards, 2, scale="batch", eps=0.0)
-    std = rewards.std().item()                                               # sqrt(11/6 · ...) Bessel over all 4
+    std = rewards.std().item()  # sqrt(11/6 · ...) Bessel over all 4
     assert adv.tolist() == pytest.approx([0.5 / std, -0.5 / std, 1 / std, -1 / std], abs=TOL)
 
 
@@ -197,16 +270,32 @@ def test_advantages_reject_a_batch_not_divisible_by_group_size():
 
 
 # ---------------------------------------------------------------- aggregation: grpo / dapo / dr_grpo
-@pytest.mark.parametrize("loss_type,expected,normalizer", [("grpo", 0.0, 4), ("dapo", 3 / 11, 11),
-                                                           ("dr_grpo", 3 / 16, 16)])
-def test_aggregation_lengths_1_4_3_3_and_micro_batches_sum_to_full_batch(loss_type, expected, normalizer):
+@pytest.mark.parametrize(
+    "loss_type,expected,normalizer",
+    [("grpo", 0.0, 4), ("dapo", 3 / 11, 11), ("dr_grpo", 3 / 16, 16)],
+)
+def test_aggregation_lengths_1_4_3_3_and_micro_batches_sum_to_full_batch(
+    loss_type, expected, normalizer
+):
     logps, adv, mask = aggregation_batch()
     full = grpo_loss(logps, None, None, adv, mask, beta=0.0, loss_type=loss_type, max_tokens=4)
     assert full.item() == pytest.approx(expected, abs=TOL)
     full.backward()
     full_grad, logps.grad = logps.grad.clone(), None
-    parts = [grpo_loss(logps[rows], None, None, adv[rows], mask[rows], beta=0.0, loss_type=loss_type,
-                       max_tokens=4, normalizer=normalizer) for rows in ([0, 1], [2, 3])]
+    parts = [
+        grpo_loss(
+            logps[rows],
+            None,
+            None,
+            adv[rows],
+            mask[rows],
+            beta=0.0,
+            loss_type=loss_type,
+            max_tokens=4,
+            normalizer=normalizer,
+        )
+        for rows in ([0, 1], [2, 3])
+    ]
     total = parts[0] + parts[1]
     total.backward()
     assert total.item() == pytest.approx(expected, abs=TOL)
@@ -215,7 +304,11 @@ def test_aggregation_lengths_1_4_3_3_and_micro_batches_sum_to_full_batch(loss_ty
 
 def test_loss_denominator_lengths_1_4_3_3_is_4_sequences_11_tokens_or_16_for_dr_grpo():
     _, _, mask = aggregation_batch()
-    assert [loss_denominator(mask, t, max_tokens=4) for t in ("grpo", "dapo", "dr_grpo")] == [4, 11, 16]
+    assert [loss_denominator(mask, t, max_tokens=4) for t in ("grpo", "dapo", "dr_grpo")] == [
+        4,
+        11,
+        16,
+    ]
     with pytest.raises(ValueError, match="max_tokens"):
         loss_denominator(mask, "dr_grpo")
     with pytest.raises(ValueError, match="loss_type"):
@@ -224,9 +317,12 @@ def test_loss_denominator_lengths_1_4_3_3_is_4_sequences_11_tokens_or_16_for_dr_
 
 def test_aggregation_naive_mean_of_micro_batch_losses_is_wrong_0_3_not_3_11():
     logps, adv, mask = aggregation_batch()
-    parts = [grpo_loss(logps[rows], None, None, adv[rows], mask[rows], beta=0.0, loss_type="dapo")
-             for rows in ([0, 1], [2, 3])]
-    assert ((parts[0] + parts[1]) / 2).item() == pytest.approx(0.3, abs=TOL)  # (3/5 + 0/6) / 2, not 3/11
+    parts = [
+        grpo_loss(logps[rows], None, None, adv[rows], mask[rows], beta=0.0, loss_type="dapo")
+        for rows in ([0, 1], [2, 3])
+    ]
+    # (3/5 + 0/6) / 2, not 3/11
+    assert ((parts[0] + parts[1]) / 2).item() == pytest.approx(0.3, abs=TOL)
 
 
 def test_dr_grpo_needs_max_tokens():
@@ -243,17 +339,33 @@ def test_beta_without_reference_is_an_error():
 
 # ---------------------------------------------------------------- GSPO: the sequence ratio and its gradient
 def test_gspo_token_log_ratios_0_1_minus_0_2_0_4_give_sequence_ratio_e_0_1():
-    log_ratio = torch.tensor([[0.1, -0.2, 0.4, 9.0]])                       # the 4th token is masked out
-    loss = grpo_loss(log_ratio, torch.zeros(1, 4), None, torch.tensor([1.0]), torch.tensor([[1, 1, 1, 0]]),
-                     beta=0.0, epsilon=10.0, ratio_level="sequence")
+    log_ratio = torch.tensor([[0.1, -0.2, 0.4, 9.0]])  # the 4th token is masked out
+    loss = grpo_loss(
+        log_ratio,
+        torch.zeros(1, 4),
+        None,
+        torch.tensor([1.0]),
+        torch.tensor([[1, 1, 1, 0]]),
+        beta=0.0,
+        epsilon=10.0,
+        ratio_level="sequence",
+    )
     assert -loss.item() == pytest.approx(1.105171, abs=TOL)
 
 
 def test_gspo_gradient_flows_through_the_sequence_ratio_to_every_token():
     # J = mean_t s·A = s for A = 1, s = exp(mean of the 3 unmasked log-ratios): dJ/dlogπ_t = s/3, 0 where masked.
     logps = torch.tensor([[0.1, -0.2, 0.4, 9.0]], requires_grad=True)
-    loss = grpo_loss(logps, torch.zeros(1, 4), None, torch.tensor([1.0]), torch.tensor([[1, 1, 1, 0]]),
-                     beta=0.0, epsilon=10.0, ratio_level="sequence")
+    loss = grpo_loss(
+        logps,
+        torch.zeros(1, 4),
+        None,
+        torch.tensor([1.0]),
+        torch.tensor([[1, 1, 1, 0]]),
+        beta=0.0,
+        epsilon=10.0,
+        ratio_level="sequence",
+    )
     loss.backward()
     s = math.exp(0.1)
     assert (-logps.grad).tolist()[0] == pytest.approx([s / 3, s / 3, s / 3, 0.0], abs=TOL)
@@ -298,17 +410,27 @@ def test_completion_mask_when_pad_equals_eos_the_eos_still_counts():
 
 # ---------------------------------------------------------------- degenerate inputs
 def test_all_masked_batch_gives_loss_0_zero_gradients_and_no_nan():
-    logps = torch.tensor([[0.0, -1e9], [float("-inf"), 3.0]], requires_grad=True)  # garbage where masked
+    # garbage where masked
+    logps = torch.tensor([[0.0, -1e9], [float("-inf"), 3.0]], requires_grad=True)
     ref = torch.tensor([[float("inf"), 0.0], [0.0, float("nan")]])
     for loss_type in ("grpo", "dapo", "dr_grpo"):
         logps.grad = None
-        loss = grpo_loss(logps, logps.detach() + 5, ref, torch.tensor([1.0, -1.0]), torch.zeros(2, 2),
-                         loss_type=loss_type, max_tokens=2)
+        loss = grpo_loss(
+            logps,
+            logps.detach() + 5,
+            ref,
+            torch.tensor([1.0, -1.0]),
+            torch.zeros(2, 2),
+            loss_type=loss_type,
+            max_tokens=2,
+        )
         loss.backward()
         assert loss.item() == 0.0 and logps.grad.tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
 def test_a_row_with_no_tokens_contributes_0_not_nan():
     logps = torch.zeros(2, 3, requires_grad=True)
-    loss = grpo_loss(logps, None, None, torch.tensor([1.0, 5.0]), torch.tensor([[1, 1, 0], [0, 0, 0]]), beta=0.0)
-    assert loss.item() == pytest.approx(-0.5, abs=TOL)                       # (1 + 0) / 2 sequences
+    loss = grpo_loss(
+        logps, None, None, torch.tensor([1.0, 5.0]), torch.tensor([[1, 1, 0], [0, 0, 0]]), beta=0.0
+    )
+    assert loss.item() == pytest.approx(-0.5, abs=TOL)  # (1 + 0) / 2 sequences

@@ -3,6 +3,7 @@ checkpointing, the algorithm options (mask-truncated, overlong buffer, dynamic s
 the README's own-task example, the shortened demo and --compile. Runs are fp32: where two paths must agree, the test
 states its bound (1e-4 to 1e-7); TOL (1e-6) is test_grpo.py's, for the worked example of eval's pass@k.
 """
+
 import functools
 import math
 import os
@@ -47,11 +48,14 @@ from sampling import token_logprobs
 
 def half_truncated(real_generate):
     """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the budget without EOS."""
+
     def generate(model, prompt_ids, prompt_mask, settings, *a, **kw):
-        rows = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw).shape[0]   # [B*G, C] completions
+        # [B*G, C] completions
+        rows = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw).shape[0]
         completions = torch.full((rows, settings.max_new_tokens), 10)
         completions[::2, 2], completions[::2, 3:] = demo.EOS, demo.PAD
         return completions
+
     return generate
 
 
@@ -74,8 +78,10 @@ def readme_block(title, language):
 
 def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path):
     run_tiny(tmp_path / "run")
-    initial, _ = demo.model_and_tokenizer(seed=42)  # the run's seed; no warm-up: the exact starting weights
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")  # the checkpoint loads as a model
+    # the run's seed; no warm-up: the exact starting weights
+    initial, _ = demo.model_and_tokenizer(seed=42)
+    # the checkpoint loads as a model
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")
     before, after = initial.state_dict(), trained.state_dict()
     assert all(torch.isfinite(t).all() for t in after.values())
     changed = [name for name in before if not torch.equal(before[name], after[name])]
@@ -84,12 +90,16 @@ def test_one_step_on_the_tiny_model_changes_the_parameters(tmp_path):
     assert row["step"] == 1 and math.isfinite(row["loss"]) and row["rewards/correctness_std"] > 0
 
 
-def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is_not_1(tmp_path, monkeypatch):
+def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is_not_1(
+    tmp_path, monkeypatch
+):
     calls, frozen = [], []
     real_loss, real_logps = train.grpo.grpo_loss, train.frozen_logps
 
     def spy_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
-        calls.append((logps.detach().clone(), None if old_logps is None else old_logps.clone(), mask.bool()))
+        calls.append(
+            (logps.detach().clone(), None if old_logps is None else old_logps.clone(), mask.bool())
+        )
         return real_loss(logps, old_logps, ref_logps, advantages, mask, **kw)
 
     def spy_logps(model, *a, **kw):
@@ -99,48 +109,71 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
     monkeypatch.setattr(train.grpo, "grpo_loss", spy_loss)
     monkeypatch.setattr(train, "frozen_logps", spy_logps)
     run_tiny(tmp_path / "run", "--num-iterations", "2")
-    assert frozen == [False]  # one frozen forward per step: the reference; pi_old needs no pass of its own
-    assert len(calls) == 4    # 2 iterations x 2 micro-batches
+    # one frozen forward per step: the reference; pi_old needs no pass of its own
+    assert frozen == [False]
+    assert len(calls) == 4  # 2 iterations x 2 micro-batches
     for first, second in zip(calls[:2], calls[2:]):
         logps1, old1, mask = first
         logps2, old2, _ = second
         assert old1 is None  # iteration 1: pi_old = sg(pi_theta), ratio exactly 1
-        assert torch.equal(old2, logps1)  # iteration 2's pi_old: iteration 1's log-probs, bit for bit
+        # iteration 2's pi_old: iteration 1's log-probs, bit for bit
+        assert torch.equal(old2, logps1)
         ratio2 = torch.exp(logps2 - old2)[mask]
         assert (ratio2 - 1).abs().max() > 1e-3  # after the first update the ratio moved away from 1
 
 
 def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_batch():
     model, _ = demo.model_and_tokenizer(seed=0)
-    completion = torch.tensor([[1, 1, 0, 0]] * 4 + [[1, 1, 1, 1]] * 4)  # micro-batch 1 needs 2 columns, 2 needs 4
+    # micro-batch 1 needs 2 columns, 2 needs 4
+    completion = torch.tensor([[1, 1, 0, 0]] * 4 + [[1, 1, 1, 1]] * 4)
     rollouts = tiny_rollouts(completion)
     ids = rollouts.input_ids
     expected, entropy = torch.zeros(8, 4), torch.zeros(8, 4)
     with torch.no_grad():
-        expected[:4, :2], entropy[:4, :2] = token_logprobs(model, ids[:4, :5], torch.ones(4, 5), 2, 1.0, entropy=True)
-        expected[4:], entropy[4:] = token_logprobs(model, ids[4:], torch.ones(4, 7), 4, 1.0, entropy=True)
+        expected[:4, :2], entropy[:4, :2] = token_logprobs(
+            model, ids[:4, :5], torch.ones(4, 5), 2, 1.0, entropy=True
+        )
+        expected[4:], entropy[4:] = token_logprobs(
+            model, ids[4:], torch.ones(4, 7), 4, 1.0, entropy=True
+        )
     optimizer = train.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
-    update = functools.partial(train.policy_update, model, optimizer, scheduler, rollouts,
-                               torch.tensor([1.0, -1.0] * 4), ref_logps=None,
-                               objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4, None), micro_batch_size=4)
+    update = functools.partial(
+        train.policy_update,
+        model,
+        optimizer,
+        scheduler,
+        rollouts,
+        torch.tensor([1.0, -1.0] * 4),
+        ref_logps=None,
+        objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4, None),
+        micro_batch_size=4,
+    )
     stats, old = update(old_logps=None)
     assert torch.allclose(old, expected, atol=1e-5)
     # the logged entropy: the token mean over the completion mask, of the policy before the update (fp32: 1e-5)
-    assert stats["entropy"] == pytest.approx((entropy * completion).sum().item() / completion.sum().item(), abs=1e-5)
+    assert stats["entropy"] == pytest.approx(
+        (entropy * completion).sum().item() / completion.sum().item(), abs=1e-5
+    )
     assert (old[:4, 2:] == 0).all() and (old[:4, :2] < 0).all()
-    stats, after = update(old_logps=old)  # iteration 2: its ratio is against iteration 1's log-probs
+    # iteration 2: its ratio is against iteration 1's log-probs
+    stats, after = update(old_logps=old)
     assert not torch.allclose(after, old, atol=1e-4) and stats["ratio"] != 1.0
 
 
 def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, monkeypatch):
     made, logps_calls = [], []
     real_reference, real_logps = models.reference_model, train.frozen_logps
-    monkeypatch.setattr(models, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1])
-    monkeypatch.setattr(train, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k))
+    monkeypatch.setattr(
+        models, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1]
+    )
+    monkeypatch.setattr(
+        train, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k)
+    )
     run_tiny(tmp_path / "run", "--beta", "0")
-    assert made == [None]    # no reference model object at all
-    assert logps_calls == []  # beta = 0 and mu = 1: neither reference nor old log-probs are computed
+    assert made == [None]  # no reference model object at all
+    # beta = 0 and mu = 1: neither reference nor old log-probs are computed
+    assert logps_calls == []
     assert "kl" in read_metrics(tmp_path / "run")[0]
 
 
@@ -154,25 +187,40 @@ def test_micro_batch_size_does_not_change_the_gradient(tmp_path, monkeypatch, lo
         return real_clip(params, max_norm)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", capture_then_clip)
-    base = ["--loss-type", loss_type, "--batch-size", "4", "--gradient-accumulation-steps", "1", "--beta", "0.1"]
-    run_tiny(tmp_path / "one", *base)                                # one micro-batch of 16 completions
-    run_tiny(tmp_path / "four", *base, "--micro-batch-size", "4")   # four micro-batches of one group
+    base = [
+        "--loss-type",
+        loss_type,
+        "--batch-size",
+        "4",
+        "--gradient-accumulation-steps",
+        "1",
+        "--beta",
+        "0.1",
+    ]
+    run_tiny(tmp_path / "one", *base)  # one micro-batch of 16 completions
+    run_tiny(tmp_path / "four", *base, "--micro-batch-size", "4")  # four micro-batches of one group
     one, four = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "four")[0]
     assert one["reward"] == four["reward"]  # same samples
     assert math.isclose(one["loss"], four["loss"], rel_tol=1e-5, abs_tol=1e-7)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-8) for a, b in zip(*grads))  # the normalizer at work
+    # the normalizer at work
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-8) for a, b in zip(*grads))
 
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path):
     run_tiny(tmp_path / "plain", "--num-iterations", "2")
     run_tiny(tmp_path / "checkpointed", "--num-iterations", "2", "--gradient-checkpointing")
-    plain, checkpointed = read_metrics(tmp_path / "plain")[0], read_metrics(tmp_path / "checkpointed")[0]
+    plain, checkpointed = (
+        read_metrics(tmp_path / "plain")[0],
+        read_metrics(tmp_path / "checkpointed")[0],
+    )
     for key in ("loss", "kl", "grad_norm"):
         assert math.isclose(plain[key], checkpointed[key], rel_tol=1e-4, abs_tol=1e-7), key
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(tmp_path, monkeypatch, checkpointing):
+def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(
+    tmp_path, monkeypatch, checkpointing
+):
     calls, real = [], sampling.token_logprobs
 
     def spy(model, *a, group_size=1, **kw):
@@ -185,7 +233,8 @@ def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(tmp_
     # Checkpointing: the policy's forward runs token_logprobs' plain path (no cache in training), so the reference
     # runs it too (group_size=1); without it both share each prompt's forward across its group (G=4).
     assert reference == ([1, 1] if checkpointing else [4, 4])  # 2 micro-batches
-    assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0  # step 1, fp32: pi_ref == pi_theta exactly
+    # step 1, fp32: pi_ref == pi_theta exactly
+    assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0
 
 
 def test_adamw_is_fused_on_cpu():
@@ -194,15 +243,24 @@ def test_adamw_is_fused_on_cpu():
     assert optimizer.defaults["fused"] is True
 
 
-def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_policy_stays_fp32(monkeypatch):
+def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_policy_stays_fp32(
+    monkeypatch,
+):
     model, _ = demo.model_and_tokenizer(seed=0)
     moves, real_to = [], torch.nn.Module.to
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moves.append(
-        (a, {p.dtype for p in self.parameters()})) or real_to(self, *a, **k))
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "to",
+        lambda self, *a, **k: (
+            moves.append((a, {p.dtype for p in self.parameters()})) or real_to(self, *a, **k)
+        ),
+    )
     ref = models.reference_model(model, 0.04, sampling.AMP["bf16"], "cpu")
-    assert moves == [(("cpu",), {torch.bfloat16})]  # one move, parameters already bf16: no fp32 copy on the device
+    # one move, parameters already bf16: no fp32 copy on the device
+    assert moves == [(("cpu",), {torch.bfloat16})]
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
-    assert {b.dtype for b in ref.buffers()} == {torch.float32}  # the rotary inverse frequencies, as the policy's
+    # the rotary inverse frequencies, as the policy's
+    assert {b.dtype for b in ref.buffers()} == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.float32} and not ref.training
 
 
@@ -210,20 +268,28 @@ def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_polic
 
 
 @pytest.mark.parametrize("flag", [False, True], ids=["default", "mask-truncated"])
-def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fraction(tmp_path, monkeypatch, flag):
+def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fraction(
+    tmp_path, monkeypatch, flag
+):
     masks, real_loss = [], grpo.grpo_loss
     monkeypatch.setattr(sampling, "generate", half_truncated(sampling.generate))
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: masks.append(a[4].clone()) or real_loss(*a, **kw))
+    monkeypatch.setattr(
+        grpo, "grpo_loss", lambda *a, **kw: masks.append(a[4].clone()) or real_loss(*a, **kw)
+    )
     run_tiny(tmp_path / "run", *(["--mask-truncated"] if flag else []))
     (row,) = read_metrics(tmp_path / "run")
-    assert row["frac_truncated"] == 0.5 and row["completion_len_mean"] == (3 + 6) / 2  # lengths as generated
-    tokens = torch.cat([m.sum(1) for m in masks])  # per completion, over the two micro-batches (trimmed to their need)
+    # lengths as generated
+    assert row["frac_truncated"] == 0.5 and row["completion_len_mean"] == (3 + 6) / 2
+    # per completion, over the two micro-batches (trimmed to their need)
+    tokens = torch.cat([m.sum(1) for m in masks])
     assert tokens[::2].tolist() == [3] * 8 and tokens[1::2].tolist() == [0 if flag else 6] * 8
 
 
 def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
     real_generate = sampling.generate
-    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1])
+    monkeypatch.setattr(
+        sampling, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1]
+    )
     run_tiny(tmp_path / "run", "--mask-truncated", "--seed", "42")
     (row,) = read_metrics(tmp_path / "run")
     assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["frac_truncated"] == 1.0
@@ -235,21 +301,49 @@ def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path
 def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
     # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so its mean is
     # -(mean length)/6; float32 means: 1e-6.
-    train.main(tiny_argv(tmp_path / "run", "--reward-fn", "format", "--overlong-buffer", "6", "--reward-weights",
-                         "1.0,0.5"))
+    train.main(
+        tiny_argv(
+            tmp_path / "run",
+            "--reward-fn",
+            "format",
+            "--overlong-buffer",
+            "6",
+            "--reward-weights",
+            "1.0,0.5",
+        )
+    )
     (row,) = read_metrics(tmp_path / "run")
     assert row["rewards/overlong"] == pytest.approx(-row["completion_len_mean"] / 6, abs=1e-6)
-    assert row["reward"] == pytest.approx(row["rewards/format"] + 0.5 * row["rewards/overlong"], abs=1e-6)
+    assert row["reward"] == pytest.approx(
+        row["rewards/format"] + 0.5 * row["rewards/overlong"], abs=1e-6
+    )
     with pytest.raises(config.UserError, match=re.escape("(format, overlong): 2 numbers, got 1")):
-        train.setup(config.parse_args(tiny_argv(tmp_path / "x", "--reward-fn", "format", "--overlong-buffer", "6",
-                                                "--reward-weights", "1.0")))
+        train.setup(
+            config.parse_args(
+                tiny_argv(
+                    tmp_path / "x",
+                    "--reward-fn",
+                    "format",
+                    "--overlong-buffer",
+                    "6",
+                    "--reward-weights",
+                    "1.0",
+                )
+            )
+        )
 
 
-def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_until_the_batch_is_full(tmp_path):
+def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_until_the_batch_is_full(
+    tmp_path,
+):
     run_tiny(tmp_path / "run", "--dynamic-sampling", "--seed", "3", reward=odd_answers_spread)
     (row,) = read_metrics(tmp_path / "run")
     problems = demo.setup(3, 0, 0.1)[2].train
-    odd, calls = 0, 0  # what the step must have done: batches of 4 prompts, stream k for the k-th extra call
+    # what the step must have done: batches of 4 prompts, stream k for the k-th extra call
+    odd, calls = (
+        0,
+        0,
+    )
     while odd < 4 and calls <= 3:
         odd += sum(int(r["answer"]) % 2 for r in batch_at(problems, 4, 3, 0, stream=calls))
         calls += 1
@@ -260,41 +354,77 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_unti
 
 
 def test_dynamic_sampling_with_no_spread_anywhere_skips_the_update_and_says_so(tmp_path, capsys):
-    run_tiny(tmp_path / "run", "--dynamic-sampling", "--max-resample", "2", "--seed", "42",
-             reward=lambda c, a: [1.0] * len(c))
+    run_tiny(
+        tmp_path / "run",
+        "--dynamic-sampling",
+        "--max-resample",
+        "2",
+        "--seed",
+        "42",
+        reward=lambda c, a: [1.0] * len(c),
+    )
     (row,) = read_metrics(tmp_path / "run")
     assert (row["skipped_no_spread"], row["dynamic_calls"], row["dynamic_groups"]) == (1, 3, 0)
     assert row["dynamic_dropped"] == 12  # 3 calls x 4 groups
     assert "SKIPPED the update: no group had reward spread" in capsys.readouterr().out
     initial, _ = demo.model_and_tokenizer(seed=42)
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()
-    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())  # beta > 0, but no update at all
+    # beta > 0, but no update at all
+    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
 
 
 def test_dynamic_sampling_resumes_exactly(tmp_path):
-    argv = ["--dynamic-sampling", "--steps", "3", "--seed", "3", "--save-every", "1", "--lr-scheduler", "constant"]
+    argv = [
+        "--dynamic-sampling",
+        "--steps",
+        "3",
+        "--seed",
+        "3",
+        "--save-every",
+        "1",
+        "--lr-scheduler",
+        "constant",
+    ]
     run_tiny(tmp_path / "straight", *argv, reward=odd_answers_spread)
-    run_tiny(tmp_path / "resumed", *argv, "--steps", "1", reward=odd_answers_spread)  # the later --steps wins
+    # the later --steps wins
+    run_tiny(tmp_path / "resumed", *argv, "--steps", "1", reward=odd_answers_spread)
     run_tiny(tmp_path / "resumed", *argv, "--resume", reward=odd_answers_spread)
-    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(read_metrics(tmp_path / "straight"))
+    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(
+        read_metrics(tmp_path / "straight")
+    )
 
 
 def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path):
     from transformers import GenerationConfig
+
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     prompts = ["3 + 4 =", "1 + 1 =", "5 + 2 ="]
-    rollouts = sampling.sample_rollouts(model, tokenizer, prompts, sampling.Sampling(0.9, 50, 0.9, 5, None, 4), 2)
+    rollouts = sampling.sample_rollouts(
+        model, tokenizer, prompts, sampling.Sampling(0.9, 50, 0.9, 5, None, 4), 2
+    )
     ids, mask = sampling.tokenize_prompts(tokenizer, prompts, "cpu")
-    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
-        num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=5, eos_token_id=[demo.EOS],
-        pad_token_id=demo.PAD))  # plain beam search: the sampling flags play no part
+    # plain beam search: the sampling flags play no part
+    expected = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        generation_config=GenerationConfig(
+            num_beams=4,
+            num_return_sequences=2,
+            do_sample=False,
+            max_new_tokens=5,
+            eos_token_id=[demo.EOS],
+            pad_token_id=demo.PAD,
+        ),
+    )
     assert torch.equal(rollouts.input_ids, expected)
-    pairs = rollouts.input_ids[:, ids.shape[1]:].view(3, 2, -1)
+    pairs = rollouts.input_ids[:, ids.shape[1] :].view(3, 2, -1)
     assert all(not torch.equal(pair[0], pair[1]) for pair in pairs)  # a group's beams differ
     run_tiny(tmp_path / "run", "--num-beams", "4")
     (row,) = read_metrics(tmp_path / "run")
     assert math.isfinite(row["loss"]) and row["entropy"] > 0
-    with pytest.raises(config.UserError, match="--num-beams \\(2\\) must be at least --num-generations \\(4\\)"):
+    with pytest.raises(
+        config.UserError, match="--num-beams \\(2\\) must be at least --num-generations \\(4\\)"
+    ):
         config.parse_args(tiny_argv(tmp_path / "x", "--num-beams", "2"))
 
 
@@ -303,28 +433,52 @@ def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path
 
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,v_proj,lm_head"])
 def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_saves_a_merged_model(
-        tmp_path, monkeypatch, targets):
+    tmp_path, monkeypatch, targets
+):
     pytest.importorskip("peft")
     copies, refs, real_logps = [], [], train.frozen_logps
     monkeypatch.setattr(models, "reference_model", lambda *a, **k: copies.append(1))
-    monkeypatch.setattr(train, "frozen_logps", lambda model, *a, **k: refs.append(model) or real_logps(model, *a, **k))
+    monkeypatch.setattr(
+        train,
+        "frozen_logps",
+        lambda model, *a, **k: refs.append(model) or real_logps(model, *a, **k),
+    )
     calls, real_head = [], sampling._LinearLogprobs
 
     class Counting:
         apply = staticmethod(lambda *a: calls.append(1) or real_head.apply(*a))
 
     monkeypatch.setattr(sampling, "_LinearLogprobs", Counting)
-    run_tiny(tmp_path / "run", "--lora-rank", "4", "--steps", "2", "--seed", "42", "--lora-target-modules", targets)
-    assert copies == [] and len(refs) == 2 and type(refs[0]).__name__ == "PeftModelForCausalLM"  # no second copy
-    assert bool(calls) == (targets == "q_proj,v_proj")  # the chunked lm-head path runs unless the head is adapted
+    run_tiny(
+        tmp_path / "run",
+        "--lora-rank",
+        "4",
+        "--steps",
+        "2",
+        "--seed",
+        "42",
+        "--lora-target-modules",
+        targets,
+    )
+    # no second copy
+    assert copies == [] and len(refs) == 2 and type(refs[0]).__name__ == "PeftModelForCausalLM"
+    # the chunked lm-head path runs unless the head is adapted
+    assert bool(calls) == (targets == "q_proj,v_proj")
     initial, _ = demo.model_and_tokenizer(seed=42)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")  # no peft needed to load it
-    changed = {k for k, v in initial.state_dict().items() if not torch.equal(merged.state_dict()[k], v)}
+    # no peft needed to load it
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")
+    changed = {
+        k for k, v in initial.state_dict().items() if not torch.equal(merged.state_dict()[k], v)
+    }
     suffixes = tuple(f"{t}.weight" for t in targets.split(","))
-    assert changed and all(k.endswith(suffixes) for k in changed)  # only the targets (a tied head: untied on save)
+    # only the targets (a tied head: untied on save)
+    assert changed and all(k.endswith(suffixes) for k in changed)
     import peft
+
     base, _ = demo.model_and_tokenizer(seed=42)
-    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "checkpoint" / "adapter")).eval()
+    adapted = peft.PeftModel.from_pretrained(
+        base, str(tmp_path / "run" / "checkpoint" / "adapter")
+    ).eval()
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     # W + scale·B·A in fp32, merged vs applied as adapters: equal up to summation order (~1e-7).
     torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
@@ -332,11 +486,29 @@ def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_sa
 
 def test_lora_periodic_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path, monkeypatch):
     pytest.importorskip("peft")
-    argv = ["--lora-rank", "4", "--steps", "3", "--save-every", "1", "--lr-scheduler", "constant", "--seed", "42"]
+    argv = [
+        "--lora-rank",
+        "4",
+        "--steps",
+        "3",
+        "--save-every",
+        "1",
+        "--lr-scheduler",
+        "constant",
+        "--seed",
+        "42",
+    ]
     saves, real_save = [], checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: saves.append(k["merge"]) or real_save(*a, **k))
+    monkeypatch.setattr(
+        checkpoint, "save", lambda *a, **k: saves.append(k["merge"]) or real_save(*a, **k)
+    )
     run_tiny(tmp_path / "straight", *argv)
-    assert saves == [False, False, True]  # adapters every step; the merged model only when the run ends
+    # adapters every step; the merged model only when the run ends
+    assert saves == [
+        False,
+        False,
+        True,
+    ]
     run_tiny(tmp_path / "resumed", *argv, "--steps", "1")
     run_tiny(tmp_path / "resumed", *argv, "--resume")
     assert_same_run(tmp_path / "straight", tmp_path / "resumed")
@@ -347,7 +519,9 @@ def test_lora_without_peft_or_with_a_missing_module_is_one_clear_error(tmp_path,
     with pytest.raises(config.UserError, match="LoRA: .*--lora-target-modules no_such_proj"):
         run_tiny(tmp_path / "a", "--lora-rank", "4", "--lora-target-modules", "no_such_proj")
     monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
-    with pytest.raises(config.UserError, match="--lora-rank needs peft, which is not installed: pip install peft"):
+    with pytest.raises(
+        config.UserError, match="--lora-rank needs peft, which is not installed: pip install peft"
+    ):
         run_tiny(tmp_path / "b", "--lora-rank", "4")
 
 
@@ -355,8 +529,21 @@ def test_lora_without_peft_or_with_a_missing_module_is_one_clear_error(tmp_path,
 
 
 def test_eval_only_reports_mean_rewards(tmp_path):
-    result = train.main([*CPU, "--demo", "--demo-warmup-steps", "0", "--eval-only", "--eval-limit", "10",
-                         "--eval-samples", "2", "--output-dir", str(tmp_path)])
+    result = train.main(
+        [
+            *CPU,
+            "--demo",
+            "--demo-warmup-steps",
+            "0",
+            "--eval-only",
+            "--eval-limit",
+            "10",
+            "--eval-samples",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert set(result) == {"correctness", "reward", "correctness_pass@2", "reward_pass@2"}
     assert 0.0 <= result["correctness"] <= result["correctness_pass@2"] <= 1.0
     assert result["reward"] == result["correctness"]  # the demo's one reward function, weight 1
@@ -366,15 +553,32 @@ def test_eval_means_and_pass_at_k_worked_example():
     """3 questions x 4 samples, correct exactly at completions 0 and 5 (question 0's first and question 1's second):
     mean 2/12, pass@4 2/3; format weighted 0.5 scores 0.1 everywhere, so the total is correctness + 0.05."""
     model, tokenizer = demo.model_and_tokenizer(seed=0)
-    hits = lambda completions, answers: [1.0 if i in (0, 5) else 0.0 for i in range(len(completions))]  # noqa: E731
-    task = data.Task(train=[], eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
-                     prompt=lambda tokenizer, question: question,
-                     rewards=rewards.weighted([("correctness", hits), ("format", lambda c, a: [0.1] * len(c))],
-                                           [1.0, 0.5]))
-    result = train.evaluate(model, tokenizer, task, sampling.Sampling(max_new_tokens=2), samples=4, batch_size=3)
-    assert result == pytest.approx({"correctness": 2 / 12, "format": 0.1, "reward": 2 / 12 + 0.05,
-                                    "correctness_pass@4": 2 / 3, "format_pass@4": 0.1,
-                                    "reward_pass@4": (1.05 + 1.05 + 0.05) / 3}, abs=TOL)
+
+    def hits(completions, answers):
+        return [1.0 if i in (0, 5) else 0.0 for i in range(len(completions))]
+
+    task = data.Task(
+        train=[],
+        eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
+        prompt=lambda tokenizer, question: question,
+        rewards=rewards.weighted(
+            [("correctness", hits), ("format", lambda c, a: [0.1] * len(c))], [1.0, 0.5]
+        ),
+    )
+    result = train.evaluate(
+        model, tokenizer, task, sampling.Sampling(max_new_tokens=2), samples=4, batch_size=3
+    )
+    assert result == pytest.approx(
+        {
+            "correctness": 2 / 12,
+            "format": 0.1,
+            "reward": 2 / 12 + 0.05,
+            "correctness_pass@4": 2 / 3,
+            "format_pass@4": 0.1,
+            "reward_pass@4": (1.05 + 1.05 + 0.05) / 3,
+        },
+        abs=TOL,
+    )
 
 
 def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp_path, monkeypatch):
@@ -382,64 +586,104 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     assert args.eval_samples == 1  # greedy: every sample of a question would be the same completion
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     seen = []
-    task = data.Task(train=[], eval=[{"question": "3 + 4 =", "answer": "7"}], prompt=lambda tokenizer, q: q,
-                     rewards=[rewards.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)])
+    task = data.Task(
+        train=[],
+        eval=[{"question": "3 + 4 =", "answer": "7"}],
+        prompt=lambda tokenizer, q: q,
+        rewards=[rewards.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)],
+    )
     settings = sampling.Sampling(temperature=0, max_new_tokens=3)
     for seed in (0, 1):
         train.evaluate(model, tokenizer, task, settings, samples=1, seed=seed)
     ids = tokenizer("3 + 4 =", return_tensors="pt", add_special_tokens=False).input_ids
     for _ in range(3):  # the argmax continuation, token by token
         ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    expected = tokenizer.decode(ids[0, -3:][: int(completion_mask(ids[:, -3:], demo.EOS).sum())],
-                                skip_special_tokens=True)
+    expected = tokenizer.decode(
+        ids[0, -3:][: int(completion_mask(ids[:, -3:], demo.EOS).sum())], skip_special_tokens=True
+    )
     assert seen == [expected, expected]
 
 
 def test_eval_seed_replaces_the_run_seed_for_evaluations_only(monkeypatch):
     seen = []
-    monkeypatch.setattr(train, "evaluate", lambda *a: seen.append(a[7]) or {})  # its 8th argument is the seed
+    # its 8th argument is the seed
+    monkeypatch.setattr(train, "evaluate", lambda *a: seen.append(a[7]) or {})
     for extra in ([], ["--eval-seed", "5"]):
-        train.evaluate_as_flagged(None, None, None, config.parse_args([*CPU, "--demo", "--seed", "3", *extra]))
+        train.evaluate_as_flagged(
+            None, None, None, config.parse_args([*CPU, "--demo", "--seed", "3", *extra])
+        )
     assert seen == [3, 5]
 
 
 def test_response_prefix_ends_every_prompt_and_starts_every_scored_response(tmp_path, monkeypatch):
     args = config.parse_args(tiny_argv(tmp_path, "--response-prefix", r"<think>\n"))
-    assert args.response_prefix == "<think>\n"  # typed in a shell as "<think>\n": the escape is decoded
+    # typed in a shell as "<think>\n": the escape is decoded
+    assert args.response_prefix == "<think>\n"
     prompts, scored = [], []
     real_sample = sampling.sample_rollouts
-    monkeypatch.setattr(sampling, "sample_rollouts", lambda model, tok, p, *a: prompts.extend(p) or real_sample(
-        model, tok, p, *a))
-    run_tiny(tmp_path, "--response-prefix", r"<think>\n",
-             reward=lambda completions, answers: scored.extend(completions) or varied_reward(completions, answers))
+    monkeypatch.setattr(
+        sampling,
+        "sample_rollouts",
+        lambda model, tok, p, *a: prompts.extend(p) or real_sample(model, tok, p, *a),
+    )
+    run_tiny(
+        tmp_path,
+        "--response-prefix",
+        r"<think>\n",
+        reward=lambda completions, answers: (
+            scored.extend(completions) or varied_reward(completions, answers)
+        ),
+    )
     assert len(prompts) == 4 and all(p.endswith(" =<think>\n") for p in prompts)
     assert len(scored) == 16 and all(c.startswith("<think>\n") for c in scored)
 
 
 def test_response_prefix_counts_toward_the_format_reward():
-    task = data.Task(train=[], eval=[], prompt=build_prompt, rewards=[], response_prefix="<think>\n")
+    task = data.Task(
+        train=[], eval=[], prompt=build_prompt, rewards=[], response_prefix="<think>\n"
+    )
     assert format_reward(task.responses(["2 + 2 = 4\n</think>\n<answer>4</answer>"])) == [0.5]
 
 
-@pytest.mark.parametrize("typed, decoded", [(r"<think>\n", "<think>\n"), (r"a\tb", "a\tb"), (r"C:\\x", "C:\\x"),
-                                            (r"\x", r"\x"), ("", "")])
+@pytest.mark.parametrize(
+    "typed, decoded",
+    [(r"<think>\n", "<think>\n"), (r"a\tb", "a\tb"), (r"C:\\x", "C:\\x"), (r"\x", r"\x"), ("", "")],
+)
 def test_response_prefix_decodes_backslash_n_t_and_backslash_only(typed, decoded):
     assert config.decode_escapes(typed) == decoded
 
 
 def test_stop_when_zero_std_ends_early_saves_and_evaluates(tmp_path, capsys):
-    evals = run_tiny(tmp_path, "--steps", "5", "--stop-when-zero-std", "2", "--eval-every", "0", "--eval-limit", "2",
-                     "--eval-samples", "2", reward=lambda completions, answers: [1.0] * len(completions))
+    evals = run_tiny(
+        tmp_path,
+        "--steps",
+        "5",
+        "--stop-when-zero-std",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "2",
+        reward=lambda completions, answers: [1.0] * len(completions),
+    )
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows if "reward" in r] == [1, 2] and all(r["frac_zero_std"] == 1.0 for r in rows[1:3])
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2] and all(
+        r["frac_zero_std"] == 1.0 for r in rows[1:3]
+    )
     assert [step for step, _ in evals] == [0, 2]
-    assert torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
+    assert (
+        torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
+    )
     assert "stopping after step 2: 2 steps in a row had no reward spread" in capsys.readouterr().out
 
 
 def test_curves_png_is_written_at_the_end_of_a_run_and_by_plot_flag(tmp_path):
     pytest.importorskip("matplotlib")  # optional: without it the run prints how to get the plot
-    run_tiny(tmp_path, "--steps", "2", "--eval-every", "1", "--eval-limit", "2", "--eval-samples", "2")
+    run_tiny(
+        tmp_path, "--steps", "2", "--eval-every", "1", "--eval-limit", "2", "--eval-samples", "2"
+    )
     png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     png.unlink()
@@ -459,16 +703,43 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     (tmp_path / "data").mkdir()
     train_file = write_gsm8k(tmp_path / "data" / "train.jsonl")
     write_gsm8k(tmp_path / "data" / "test.jsonl", n=3)  # found beside --data: the eval split
-    history = train.main([*CPU, "--model", model_dir, "--data", train_file, "--steps", "1", "--num-generations", "2",
-                          "--max-new-tokens", "4", "--eval-samples", "2", "--sample-every", "1",
-                          "--output-dir", str(tmp_path / "run")])
+    history = train.main(
+        [
+            *CPU,
+            "--model",
+            model_dir,
+            "--data",
+            train_file,
+            "--steps",
+            "1",
+            "--num-generations",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--eval-samples",
+            "2",
+            "--sample-every",
+            "1",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert [step for step, _ in history] == [0, 1]
-    assert set(history[-1][1]) == {"correctness", "format", "reward", "correctness_pass@2", "format_pass@2",
-                                    "reward_pass@2"}
+    assert set(history[-1][1]) == {
+        "correctness",
+        "format",
+        "reward",
+        "correctness_pass@2",
+        "format_pass@2",
+        "reward_pass@2",
+    }
     row = read_metrics(tmp_path / "run")[1]
-    assert {"rewards/correctness", "rewards/format", "accuracy", "kl", "clip_frac", "lr"} <= set(row)
+    assert {"rewards/correctness", "rewards/format", "accuracy", "kl", "clip_frac", "lr"} <= set(
+        row
+    )
     out = capsys.readouterr().out
-    assert "Question: Tom has" in out and "before" in out and "after" in out  # the sample and the before/after table
+    # the sample and the before/after table
+    assert "Question: Tom has" in out and "before" in out and "after" in out
 
 
 # --- your own task end to end: the README's worked example as typed ---------------------------------------------------
@@ -480,22 +751,41 @@ def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_pa
     (tmp_path / "my.jsonl").write_text(readme_block("`my.jsonl`", "json"))
     (tmp_path / "my_rewards.py").write_text(readme_block("`my_rewards.py`", "python"))
     assert len((tmp_path / "my.jsonl").read_text().splitlines()) == 5
-    assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 21  # "a 20-line reward file"
+    # "a 20-line reward file"
+    assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 21
     command = shlex.split(readme_block("Train on them", "bash").replace("\\\n", " "))
     assert command[:2] == ["python", "train.py"]
     argv = command[2:]
     argv[argv.index("--model") + 1] = tiny_model_dir(tmp_path)
-    argv += ["--steps", "2", "--num-generations", "2", "--max-new-tokens", "6", "--output-dir", "out", *CPU]
-    result = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=tmp_path,
-                            capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    argv += [
+        "--steps",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--output-dir",
+        "out",
+        *CPU,
+    ]
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, "train.py"), *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert result.returncode == 0, result.stderr
     assert "no --eval-data: this task is not GSM8K, so there is no evaluation" in result.stdout
     steps = read_metrics(tmp_path / "out")
     assert [row["step"] for row in steps] == [1, 2]
     weights = argv[argv.index("--reward-weights") + 1].split(",")
     weights = dict(zip(["exact", "mentions", "brevity"], map(float, weights)))
-    for row in steps:  # the total is the weighted sum, in the order the functions were given (float32 sums: 1e-6)
-        assert row["reward"] == pytest.approx(sum(w * row[f"rewards/{n}"] for n, w in weights.items()), abs=1e-6)
+    # the total is the weighted sum, in the order the functions were given (float32 sums: 1e-6)
+    for row in steps:
+        assert row["reward"] == pytest.approx(
+            sum(w * row[f"rewards/{n}"] for n, w in weights.items()), abs=1e-6
+        )
         assert "accuracy" not in row  # no correctness reward in this task
 
 
@@ -509,8 +799,20 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
     #  - the reward after the warm-up ("before") over seeds 0-7 and 42: 0.07 to 0.13.
     # Gains after 80 steps over those 9 seeds: +0.11 (seed 6, the slowest) to +0.40 (seed 42, this test), mean +0.30.
     # A threshold of +0.10 is 5 noise standard deviations above zero and below every measured gain.
-    history = train.main([*CPU, "--demo", "--steps", "80", "--eval-every", "0", "--sample-every", "0",
-                          "--output-dir", str(tmp_path)])
+    history = train.main(
+        [
+            *CPU,
+            "--demo",
+            "--steps",
+            "80",
+            "--eval-every",
+            "0",
+            "--sample-every",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     before, after = history[0][1]["correctness"], history[-1][1]["correctness"]
     assert 0.05 <= before <= 0.2
     assert after - before >= 0.10, (before, after)
@@ -521,18 +823,37 @@ def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_pa
     # for seed 42 (this test); the full 150 steps gave +0.30, +0.40, +0.44 for seeds 0, 1, 2 and +0.22 for 42. The
     # threshold +0.10 is 5 noise standard deviations (~0.02, as above) above zero.
     pytest.importorskip("peft")
-    history = train.main([*CPU, "--demo", "--lora-rank", "8", "--lr", "1e-2", "--steps", "80", "--eval-every", "0",
-                          "--sample-every", "0", "--output-dir", str(tmp_path)])
+    history = train.main(
+        [
+            *CPU,
+            "--demo",
+            "--lora-rank",
+            "8",
+            "--lr",
+            "1e-2",
+            "--steps",
+            "80",
+            "--eval-every",
+            "0",
+            "--sample-every",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     before, after = history[0][1]["correctness"], history[-1][1]["correctness"]
     assert after - before >= 0.10, (before, after)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")  # the merged model, no peft involved
+    # the merged model, no peft involved
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     assert not any("lora" in name for name, _ in model.named_parameters())
 
 
 # --- --compile --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable on this Python")
+@pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable on this Python"
+)
 def test_compile_trains_as_the_eager_run_does(tmp_path):
     # --compile with the aot_eager backend traces the decode step and the log-prob forwards into graphs (what
     # inductor would compile) and runs them op by op: it checks the graphs, not the speed. The compiled decode keeps
@@ -540,7 +861,9 @@ def test_compile_trains_as_the_eager_run_does(tmp_path):
     # completions and their rewards and lengths are equal; losses, KL and gradient norms agree to 1e-5 (fp32, the
     # same ops in traced order).
     run_tiny(tmp_path / "eager", "--steps", "2", "--num-iterations", "2")
-    run_tiny(tmp_path / "compiled", "--steps", "2", "--num-iterations", "2", "--compile", "aot_eager")
+    run_tiny(
+        tmp_path / "compiled", "--steps", "2", "--num-iterations", "2", "--compile", "aot_eager"
+    )
     eager, compiled = (without_time(read_metrics(tmp_path / d)) for d in ("eager", "compiled"))
     assert len(eager) == len(compiled) == 2
     same = [k for k in eager[0] if "reward" in k or "len" in k]
@@ -548,4 +871,5 @@ def test_compile_trains_as_the_eager_run_does(tmp_path):
         assert [e[k] for k in same] == [c[k] for k in same]
         for k in ("loss", "kl", "grad_norm", "entropy"):
             assert c[k] == pytest.approx(e[k], abs=1e-5), k
-    assert any(e["completion_len_mean"] < e["completion_len_max"] for e in eager)  # rows left the eager batch early
+    # rows left the eager batch early
+    assert any(e["completion_len_mean"] < e["completion_len_max"] for e in eager)

@@ -10,10 +10,9 @@ bits (2^-12 = 0.024%). Each bound below is stated where it is used, from the mea
 resolution. Greedy completions of a model that is sure of its answer (the demo's, warmed up to p = 0.9) do not
 depend on the precision at all: their rewards must be equal.
 """
+
 import copy
-import dataclasses
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
@@ -28,7 +27,16 @@ import models  # noqa: E402
 import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
-from conftest import read_metrics, run_tiny, tiny_argv, tiny_rollouts, tiny_reward_model_dir, torchrun  # noqa: E402
+
+# noqa: E402
+from conftest import (
+    read_metrics,
+    run_tiny,
+    tiny_argv,
+    tiny_reward_model_dir,
+    tiny_rollouts,
+    torchrun,
+)
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HAS_DYNAMO = torch._dynamo.is_dynamo_supported()
@@ -59,7 +67,9 @@ def correctness(task, rollouts):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("path", ["decode", "compiled", "generate", "beams"])
-def test_greedy_completions_under_autocast_get_the_fp32_rewards(sure_model, dtype, path, monkeypatch):
+def test_greedy_completions_under_autocast_get_the_fp32_rewards(
+    sure_model, dtype, path, monkeypatch
+):
     # The crash this guards against: StaticCache takes one dtype for keys and values, and under autocast with fp32
     # weights RoPE leaves the keys fp32 while the values come out bf16 (index_copy_ refused them at the first token).
     model, tokenizer, task = sure_model
@@ -91,7 +101,9 @@ def test_decode_log_probs_under_autocast_are_within_rounding_of_fp32(dtype):
     mask = torch.ones_like(prompts)
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=10)
     with sampling.autocast("cpu", LOW[dtype]):
-        completions, drawn = sampling.decode(model, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
+        completions, drawn = sampling.decode(
+            model, prompts, mask, settings, 4, [demo.EOS], demo.PAD
+        )
     ids = torch.cat([prompts.repeat_interleave(4, 0), completions], dim=1)
     keep = grpo.completion_mask(completions, [demo.EOS])
     attention = torch.cat([mask.repeat_interleave(4, 0), keep], dim=1)
@@ -105,8 +117,11 @@ def test_the_kv_cache_is_held_in_the_compute_dtype():
     cache = sampling.KVCache(model.config, 16, torch.bfloat16)
     with torch.no_grad(), sampling.autocast("cpu", torch.bfloat16):
         model(input_ids=torch.randint(2, 97, (2, 5)), past_key_values=cache, use_cache=True)
-    assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} \
+    assert (
+        {layer.keys.dtype for layer in cache.layers}
+        == {layer.values.dtype for layer in cache.layers}
         == {torch.bfloat16}
+    )
 
 
 # --- the compiled decode: bounded shapes, weights already in the compute dtype ---------------------------------------
@@ -134,7 +149,8 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
     assert torch.equal(by_twin[0], eager[0]) and torch.equal(by_twin[1], eager[1])
     assert len(pairs) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the (tied) lm-head
     assert {low.dtype for low, _ in pairs} == {torch.bfloat16}
-    assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight  # shared, fp32, not copied
+    # shared, fp32, not copied
+    assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight
 
     sampling.compile_model(model, "aot_eager")
     compiled = decode(model)
@@ -148,7 +164,9 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
 
 
 @pytest.mark.skipif(not HAS_DYNAMO, reason="torch.compile is unavailable on this Python")
-def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_one_cache_each(tmp_path, monkeypatch):
+def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_one_cache_each(
+    tmp_path, monkeypatch
+):
     # Training calls decode with 4 prompts x G = 4 = 16 rows, evaluation with 3 questions x 2 samples = 6 rows and a
     # last batch of 1 x 2 (7 questions): padded up to 6, so two shapes in all, whatever the prompts' lengths.
     frames = []
@@ -162,13 +180,34 @@ def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_on
         return real_compile(fn, **dict(kwargs, backend=counter))
 
     monkeypatch.setattr(torch, "compile", counting)
-    run_tiny(tmp_path, "--steps", "3", "--compile", "aot_eager", "--dtype", "bf16", "--eval-every", "2",
-             "--eval-limit", "7", "--eval-batch-size", "3", "--eval-samples", "2")
+    run_tiny(
+        tmp_path,
+        "--steps",
+        "3",
+        "--compile",
+        "aot_eager",
+        "--dtype",
+        "bf16",
+        "--eval-every",
+        "2",
+        "--eval-limit",
+        "7",
+        "--eval-batch-size",
+        "3",
+        "--eval-samples",
+        "2",
+    )
     (compiled,) = [c for c in sampling.COMPILED.values() if c.rows == (6, 16)]
-    assert sorted(compiled.caches) == [(6, compiled.length, torch.bfloat16), (16, compiled.length, torch.bfloat16)]
-    assert [counter.frame_count for counter in frames] == [2]  # one decode step, two shapes: two compilations
+    assert sorted(compiled.caches) == [
+        (6, compiled.length, torch.bfloat16),
+        (16, compiled.length, torch.bfloat16),
+    ]
+    # one decode step, two shapes: two compilations
+    assert [counter.frame_count for counter in frames] == [2]
     assert len(compiled.caches) <= torch._dynamo.config.recompile_limit
-    assert {layer.keys.dtype for c in compiled.caches.values() for layer in c.layers} == {torch.bfloat16}
+    assert {layer.keys.dtype for c in compiled.caches.values() for layer in c.layers} == {
+        torch.bfloat16
+    }
     assert len(read_metrics(tmp_path)) == 3 + 3  # 3 steps, evaluations at 0, 2 and 3
 
 
@@ -192,19 +231,32 @@ def one_update(dtype, mu, beta, checkpointing=False):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(mu):
         stats, logps = train.policy_update(
-            model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), rollouts, advantages, old,
-            ref_logps, objective=train.Objective(0.2, None, beta, "grpo", "token", 6, None), micro_batch_size=4,
-            max_grad_norm=float("inf"), amp=amp)
+            model,
+            optimizer,
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+            rollouts,
+            advantages,
+            old,
+            ref_logps,
+            objective=train.Objective(0.2, None, beta, "grpo", "token", 6, None),
+            micro_batch_size=4,
+            max_grad_norm=float("inf"),
+            amp=amp,
+        )
         old = logps if old is None else old
         updates.append(stats)
     return updates
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("mu, beta, checkpointing", [(1, 0.04, False), (2, 0.04, False), (1, 0.0, False),
-                                                      (2, 0.04, True)],
-                         ids=["mu1-beta", "mu2-beta", "mu1-beta0", "mu2-checkpointing"])
-def test_a_training_step_under_autocast_matches_fp32_within_rounding(dtype, mu, beta, checkpointing):
+@pytest.mark.parametrize(
+    "mu, beta, checkpointing",
+    [(1, 0.04, False), (2, 0.04, False), (1, 0.0, False), (2, 0.04, True)],
+    ids=["mu1-beta", "mu2-beta", "mu1-beta0", "mu2-checkpointing"],
+)
+def test_a_training_step_under_autocast_matches_fp32_within_rounding(
+    dtype, mu, beta, checkpointing
+):
     # Same model, rollouts and advantages; only the compute dtype differs. Measured against fp32 (2026-11-23):
     #   bf16: loss within 2.0e-4 (of 0.11 at the second update), KL 5.0e-5 (of 0.099), gradient norm 1.0e-3
     #         relative, ratio 1.8e-3;
@@ -220,7 +272,9 @@ def test_a_training_step_under_autocast_matches_fp32_within_rounding(dtype, mu, 
         assert update["loss"] == pytest.approx(exact["loss"], abs=bound)
         assert update["ratio"] == pytest.approx(exact["ratio"], abs=bound)
         assert update["kl"] == pytest.approx(exact["kl"], abs=1e-3)
-        assert update["grad_norm"] == pytest.approx(exact["grad_norm"], rel={"bf16": 5e-3, "fp16": 2e-3}[dtype])
+        assert update["grad_norm"] == pytest.approx(
+            exact["grad_norm"], rel={"bf16": 5e-3, "fp16": 2e-3}[dtype]
+        )
     assert got[0]["ratio"] == 1.0 and got[0]["kl"] < 1e-5
     if mu == 2:  # the second update moved: a real test of the ratio and the KL, not of zeros
         assert abs(expected[1]["loss"]) > 0.05 and expected[1]["kl"] > 0.05
@@ -244,7 +298,8 @@ def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_i
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in ref.buffers()} == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    all_bf16 = copy.deepcopy(model).to(torch.bfloat16)  # what reference_model did before: buffers cast too
+    # what reference_model did before: buffers cast too
+    all_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     torch.manual_seed(0)
     ids = torch.randint(2, 97, (4, 256))
     mask = torch.ones_like(ids)
@@ -258,31 +313,48 @@ def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_i
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("flags", [["--num-iterations", "2"], ["--beta", "0"], ["--gradient-checkpointing"],
-                                   ["--num-beams", "4"], ["--lora-rank", "4"]],
-                         ids=["mu2", "beta0", "checkpointing", "beams", "lora"])
-def test_the_loop_runs_under_autocast_with_finite_metrics_and_changes_the_weights(tmp_path, dtype, flags):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--num-iterations", "2"],
+        ["--beta", "0"],
+        ["--gradient-checkpointing"],
+        ["--num-beams", "4"],
+        ["--lora-rank", "4"],
+    ],
+    ids=["mu2", "beta0", "checkpointing", "beams", "lora"],
+)
+def test_the_loop_runs_under_autocast_with_finite_metrics_and_changes_the_weights(
+    tmp_path, dtype, flags
+):
     if "--lora-rank" in flags:
         pytest.importorskip("peft")
-    run_tiny(tmp_path, "--steps", "2", "--dtype", dtype, "--eval-every", "2", "--eval-limit", "8", *flags)
+    run_tiny(
+        tmp_path, "--steps", "2", "--dtype", dtype, "--eval-every", "2", "--eval-limit", "8", *flags
+    )
     rows = read_metrics(tmp_path)
     steps = [r for r in rows if "loss" in r]
-    assert len(steps) == 2 and all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all()
-                                   for r in steps)
+    assert len(steps) == 2 and all(
+        torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all() for r in steps
+    )
     assert all(r["grad_norm"] > 0 for r in steps)
     assert "eval/correctness" in rows[-1]
 
 
 def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
     path = tiny_reward_model_dir(tmp_path)
-    args = config.parse_args(["--demo", "--device", "cpu", "--dtype", "bf16", "--reward-model", path])
+    args = config.parse_args(
+        ["--demo", "--device", "cpu", "--dtype", "bf16", "--reward-model", path]
+    )
     named = rewards.from_flags(args, [], set())
     (reward_model,) = [r.fn for r in named if isinstance(r.fn, rewards.RewardModel)]
     assert {p.dtype for p in reward_model.model.parameters()} == {torch.bfloat16}
     exact = rewards.RewardModel(path, "cpu")  # fp32
     texts, prompts = ["12 + 3", "no answer at all"], ["what is 15?", "what is 15?"]
     # A one-number score of a 2-layer model: bf16 weights round it by a few units of 2^-9 relative. Bound 5e-2.
-    for got, want in zip(reward_model(texts, ["15", "15"], prompts), exact(texts, ["15", "15"], prompts)):
+    for got, want in zip(
+        reward_model(texts, ["15", "15"], prompts), exact(texts, ["15", "15"], prompts)
+    ):
         assert got == pytest.approx(want, rel=5e-2, abs=5e-2)
     train.main(tiny_argv(tmp_path / "run", "--dtype", "bf16", "--reward-model", path))
     (row,) = read_metrics(tmp_path / "run")
@@ -290,7 +362,9 @@ def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
 
 
 def test_one_torchrun_step_under_bf16_with_gloo(tmp_path):
-    out = torchrun(tmp_path / "run", "--device", "cpu", "--dtype", "bf16", "--steps", "2", "--eval-every", "-1")
+    out = torchrun(
+        tmp_path / "run", "--device", "cpu", "--dtype", "bf16", "--steps", "2", "--eval-every", "-1"
+    )
     assert out.count("step 2/2") == 1 and "(bf16)" in out
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
@@ -304,10 +378,17 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     model, _ = demo.model_and_tokenizer(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mask = torch.ones(8, 6, dtype=torch.long)
-    train.policy_update(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                        tiny_rollouts(mask), grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4),
-                        None, None, objective=train.Objective(0.2, None, 0.0, "grpo", "token", 6, None),
-                        micro_batch_size=4)
+    train.policy_update(
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        tiny_rollouts(mask),
+        grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4),
+        None,
+        None,
+        objective=train.Objective(0.2, None, 0.0, "grpo", "token", 6, None),
+        micro_batch_size=4,
+    )
     assert all(p.grad is None for p in model.parameters())
     assert optimizer.state  # the update happened: AdamW has its moments
 
@@ -317,7 +398,9 @@ def test_training_state_loads_onto_the_cpu(tmp_path, monkeypatch):
     run_tiny(tmp_path, "--steps", "1")
     seen = []
     real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("map_location")) or real_load(*a, **k))
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: seen.append(k.get("map_location")) or real_load(*a, **k)
+    )
     checkpoint.load_state(str(tmp_path / "checkpoint"))
     assert seen == ["cpu"]
 
@@ -332,22 +415,38 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: self.count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
-        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([self.current]))
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.set.append(int(state[0])))
+        monkeypatch.setattr(
+            torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([self.current])
+        )
+        monkeypatch.setattr(
+            torch.cuda, "set_rng_state", lambda state, device="cuda": self.set.append(int(state[0]))
+        )
 
 
-@pytest.mark.parametrize("saved, gpus, current, restored", [
-    ([7, 8], 1, 0, [7]),     # an older checkpoint of a 2-GPU machine (every GPU's state), resumed on one GPU
-    ([7, 8], 2, 1, [8]),     # ... on device 1 of two: that device's own
-    ([7], 4, 3, [7]),        # saved with one GPU, resumed on device 3 of four
-    (5, 1, 0, [5]),          # this checkpoint format: the process's own device's state
-    (5, 0, 0, []),           # saved on a GPU, resumed on the CPU (--device may change on resume)
-])
-def test_the_cuda_rng_restores_on_another_gpu_count_or_on_the_cpu(monkeypatch, saved, gpus, current, restored):
+@pytest.mark.parametrize(
+    "saved, gpus, current, restored",
+    [
+        (
+            [7, 8],
+            1,
+            0,
+            [7],
+        ),  # an older checkpoint of a 2-GPU machine (every GPU's state), resumed on one GPU
+        ([7, 8], 2, 1, [8]),  # ... on device 1 of two: that device's own
+        ([7], 4, 3, [7]),  # saved with one GPU, resumed on device 3 of four
+        (5, 1, 0, [5]),  # this checkpoint format: the process's own device's state
+        (5, 0, 0, []),  # saved on a GPU, resumed on the CPU (--device may change on resume)
+    ],
+)
+def test_the_cuda_rng_restores_on_another_gpu_count_or_on_the_cpu(
+    monkeypatch, saved, gpus, current, restored
+):
     fake = FakeCuda(gpus, current)
     fake.install(monkeypatch)
     state = checkpoint.rng_state()
-    state["cuda"] = [torch.tensor([s]) for s in saved] if isinstance(saved, list) else torch.tensor([saved])
+    state["cuda"] = (
+        [torch.tensor([s]) for s in saved] if isinstance(saved, list) else torch.tensor([saved])
+    )
     checkpoint.set_rng_state(state)
     assert fake.set == restored
 
@@ -360,7 +459,9 @@ def test_the_rng_state_saves_this_process_device_alone(monkeypatch):
 # --- on a GPU, when there is one --------------------------------------------------------------------------------------
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; runs on a GPU machine only")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; runs on a GPU machine only"
+)
 
 
 @CUDA
@@ -374,7 +475,10 @@ def test_cuda_the_loop_runs_in_bf16_and_evaluates(tmp_path):
 @CUDA
 def test_cuda_compiled_decode_with_cuda_graphs_equals_the_eager_decode(sure_model):
     model = copy.deepcopy(sure_model[0]).cuda()
-    prompts, mask = torch.randint(2, 26, (3, 4), device="cuda"), torch.ones(3, 4, dtype=torch.long, device="cuda")
+    prompts, mask = (
+        torch.randint(2, 26, (3, 4), device="cuda"),
+        torch.ones(3, 4, dtype=torch.long, device="cuda"),
+    )
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6)
     with sampling.autocast("cuda", torch.bfloat16):
         eager = sampling.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]

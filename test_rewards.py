@@ -2,6 +2,7 @@
 answer of the real GSM8K (where it is found beside the repository), your own reward functions (--reward-fn) and
 reward models (--reward-model). Logged rewards are float32 means: sums of them are compared at 1e-6.
 """
+
 import os
 import random
 import re
@@ -23,12 +24,17 @@ from data import batch_at, load_gsm8k
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
 
 # The real GSM8K files, shared beside the repository and not copied into it.
-GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k")
+GSM8K_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k"
+)
 
 
 def check_all_rewards(completions: list[str]) -> None:
     answers = ["42"] * len(completions)
-    correctness, form = correctness_reward(completions, answers), format_reward(completions, answers)
+    correctness, form = (
+        correctness_reward(completions, answers),
+        format_reward(completions, answers),
+    )
     for c, f, completion in zip(correctness, form, completions):
         assert type(c) is float and c in (0.0, 1.0)
         assert type(f) is float and f in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
@@ -127,7 +133,8 @@ def test_extract_answer_none_without_a_number_in_a_complete_block(completion):
 
 def test_extract_answer_nested_and_unclosed_tags_read_the_innermost_last_block():
     assert extract_answer("<answer>1 <answer>2</answer>") == "2"
-    assert extract_answer("<answer>1</answer> <answer>2") == "1"  # a truncated last block is ignored
+    # a truncated last block is ignored
+    assert extract_answer("<answer>1</answer> <answer>2") == "1"
 
 
 # --- correctness ------------------------------------------------------------------------------------------------------
@@ -135,8 +142,14 @@ def test_extract_answer_nested_and_unclosed_tags_read_the_innermost_last_block()
 
 @pytest.mark.parametrize(
     "completion",
-    ["<answer>18</answer>", "<answer>18.0</answer>", "<answer>18.00</answer>", "<answer>$18</answer>",
-     "<answer>The total is $18.</answer>", "<think>9 + 9</think>\n<answer>\n18\n</answer>"],
+    [
+        "<answer>18</answer>",
+        "<answer>18.0</answer>",
+        "<answer>18.00</answer>",
+        "<answer>$18</answer>",
+        "<answer>The total is $18.</answer>",
+        "<think>9 + 9</think>\n<answer>\n18\n</answer>",
+    ],
 )
 def test_correctness_18_equals_18_point_0_and_dollar_18(completion):
     assert correctness_reward([completion], ["18"]) == [1.0]
@@ -165,7 +178,10 @@ def test_correctness_reference_with_commas_negative_and_decimal():
 
 
 def test_correctness_reference_that_is_not_a_number_scores_zero():
-    assert correctness_reward(["<answer>1</answer>", "<answer>1</answer>"], ["one", ""]) == [0.0, 0.0]
+    assert correctness_reward(["<answer>1</answer>", "<answer>1</answer>"], ["one", ""]) == [
+        0.0,
+        0.0,
+    ]
 
 
 # --- format -----------------------------------------------------------------------------------------------------------
@@ -182,7 +198,10 @@ def test_correctness_reference_that_is_not_a_number_scores_zero():
         ("<think>a</think>\n<answer>The answer is 42.</answer>", 0.5),
         ("<think>hmm</think><answer></answer>", 0.4),  # empty answer: no number credit
         ("<think>hmm</think><answer>forty-two</answer>", 0.4),  # words: no number credit
-        ("<think><think>a</think></think><answer>1</answer></answer>", 0.5),  # repeats earn nothing extra
+        (
+            "<think><think>a</think></think><answer>1</answer></answer>",
+            0.5,
+        ),  # repeats earn nothing extra
         ("<think></think>" * 5 + "<answer>1</answer>" * 5, 0.5),
         ("<answer>42</answer>", 0.1),  # no <think>: only the number credit
         ("</answer><answer></think><think>", 0.1),  # all tags, wrong order: only <think> counts
@@ -208,8 +227,15 @@ def test_overlong_penalty_edges_80_is_0_and_100_is_minus_1():
 
 
 def test_overlong_reward_is_dapo_eq_13_of_the_token_counts():
-    overlong = rewards.overlong_reward(max_tokens=10, buffer=4)  # 0 up to 6 tokens, then linear to -1 at 10
-    assert overlong(["a"] * 5, [None] * 5, completion_lengths=[1, 6, 7, 8, 10]) == [0.0, 0.0, -0.25, -0.5, -1.0]
+    # 0 up to 6 tokens, then linear to -1 at 10
+    overlong = rewards.overlong_reward(max_tokens=10, buffer=4)
+    assert overlong(["a"] * 5, [None] * 5, completion_lengths=[1, 6, 7, 8, 10]) == [
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -1.0,
+    ]
 
 
 # --- robustness: extreme inputs and fuzz ------------------------------------------------------------------------------
@@ -222,8 +248,31 @@ def test_rewards_on_extreme_inputs_return_floats_in_range():
 
 
 def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
-    pieces = ["<think>", "</think>", "<answer>", "</answer>", "<answer", "answer>", "<", ">", "/",
-              "0", "1", "42", "9" * 60, "-", "$", ",", ".", " ", "\n", "\x00", "é", "🙂", "\\d+"]
+    pieces = [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        "<answer",
+        "answer>",
+        "<",
+        ">",
+        "/",
+        "0",
+        "1",
+        "42",
+        "9" * 60,
+        "-",
+        "$",
+        ",",
+        ".",
+        " ",
+        "\n",
+        "\x00",
+        "é",
+        "🙂",
+        "\\d+",
+    ]
     rng = random.Random(0)
     completions = ["".join(rng.choices(pieces, k=rng.randint(0, 60))) for _ in range(10_000)]
     check_all_rewards(completions)
@@ -256,29 +305,51 @@ def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monk
     """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
     --reward-fn my_rewards:exact --reward-weights 1.0 (in process, from the directory holding my_rewards.py)."""
     monkeypatch.chdir(tmp_path)
-    write_module(tmp_path, "my_rewards_exact", "def exact(completions, answers):\n"
-                 "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
-                 "def lengthy(completions, answers):\n"
-                 "    return [float(len(c.split())) for c in completions]\n")
-    train.main(own_task_argv(tmp_path, "--reward-fn", "my_rewards_exact:exact", "--reward-fn",
-                             "my_rewards_exact:lengthy", "--reward-weights", "1.0,0.25"))
+    write_module(
+        tmp_path,
+        "my_rewards_exact",
+        "def exact(completions, answers):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
+        "def lengthy(completions, answers):\n"
+        "    return [float(len(c.split())) for c in completions]\n",
+    )
+    train.main(
+        own_task_argv(
+            tmp_path,
+            "--reward-fn",
+            "my_rewards_exact:exact",
+            "--reward-fn",
+            "my_rewards_exact:lengthy",
+            "--reward-weights",
+            "1.0,0.25",
+        )
+    )
     (row,) = read_metrics(tmp_path / "run")
-    assert {k for k in row if k.startswith("rewards/")} == {"rewards/exact", "rewards/exact_std", "rewards/lengthy",
-                                                             "rewards/lengthy_std"}
-    assert row["reward"] == pytest.approx(row["rewards/exact"] + 0.25 * row["rewards/lengthy"], abs=1e-6)
+    assert {k for k in row if k.startswith("rewards/")} == {
+        "rewards/exact",
+        "rewards/exact_std",
+        "rewards/lengthy",
+        "rewards/lengthy_std",
+    }
+    assert row["reward"] == pytest.approx(
+        row["rewards/exact"] + 0.25 * row["rewards/lengthy"], abs=1e-6
+    )
     assert row["rewards/lengthy"] > 0  # 1 to 4 words per completion
 
 
 def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given(tmp_path):
     train.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
     (row,) = read_metrics(tmp_path / "run")
-    assert {k for k in row if k.startswith("rewards/") and not k.endswith("_std")} == {"rewards/format",
-                                                                                        "rewards/correctness"}
+    assert {k for k in row if k.startswith("rewards/") and not k.endswith("_std")} == {
+        "rewards/format",
+        "rewards/correctness",
+    }
     assert row["accuracy"] == row["rewards/correctness"]
     args = config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format"))
     task, _, _ = train.setup(args)
     assert [(r.name, r.fn, r.weight) for r in task.rewards] == [("format", format_reward, 1.0)]
-    args = config.parse_args(own_task_argv(tmp_path))  # no --reward-fn: the built-in pair, every weight 1.0
+    # no --reward-fn: the built-in pair, every weight 1.0
+    args = config.parse_args(own_task_argv(tmp_path))
     task, _, _ = train.setup(args)
     assert [(r.name, r.weight) for r in task.rewards] == [("correctness", 1.0), ("format", 1.0)]
 
@@ -297,41 +368,90 @@ def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_w
     def plain(completions, answers):
         return [2.0] * len(completions)
 
-    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
-            {"question": "q1", "answer": [2], "fields": {"id": 8}}]
-    task = data.Task(train=rows, eval=[], prompt=None, response_prefix="> ", rewards=rewards.weighted(
-        [("declares", declares), ("takes_all", takes_all), ("plain", plain)], [1.0, 1.0, 0.5]))
+    rows = [
+        {"question": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
+        {"question": "q1", "answer": [2], "fields": {"id": 8}},
+    ]
+    task = data.Task(
+        train=rows,
+        eval=[],
+        prompt=None,
+        response_prefix="> ",
+        rewards=rewards.weighted(
+            [("declares", declares), ("takes_all", takes_all), ("plain", plain)], [1.0, 1.0, 0.5]
+        ),
+    )
     total, per_fn = task.score(rows, ["a", "b", "c", "d"], G=2)
     assert seen["declares"] == (["q0", "q0", "q1", "q1"], [7, 7, 8, 8])
-    assert seen["takes_all"] == {"prompts": ["q0", "q0", "q1", "q1"], "id": [7, 7, 8, 8],
-                                 "tag": ["a", "a", None, None]}  # a row without the field: None
+    # a row without the field: None
+    assert seen["takes_all"] == {
+        "prompts": ["q0", "q0", "q1", "q1"],
+        "id": [7, 7, 8, 8],
+        "tag": ["a", "a", None, None],
+    }
     assert total.tolist() == [2.0] * 4 and per_fn["plain"].tolist() == [2.0] * 4
 
 
-def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_before_training(tmp_path, monkeypatch):
+def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_before_training(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
-    write_module(tmp_path, "needs_more", "def wants_topic(completions, answers, topic):\n    return [0.0]\n"
-                                          "def one_arg(completions):\n    return [0.0]\n")
-    for fn, message in [("wants_topic", "requires the argument 'topic', which is neither `prompts`, "
-                                        "`completion_lengths` nor a field of the data rows (fields: id)"),
-                        ("one_arg", "must take two arguments, (completions, answers)")]:
+    write_module(
+        tmp_path,
+        "needs_more",
+        "def wants_topic(completions, answers, topic):\n    return [0.0]\n"
+        "def one_arg(completions):\n    return [0.0]\n",
+    )
+    for fn, message in [
+        (
+            "wants_topic",
+            "requires the argument 'topic', which is neither `prompts`, "
+            "`completion_lengths` nor a field of the data rows (fields: id)",
+        ),
+        ("one_arg", "must take two arguments, (completions, answers)"),
+    ]:
         with pytest.raises(config.UserError, match=re.escape(message)):
-            train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}")))
+            train.setup(
+                config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}"))
+            )
 
 
-@pytest.mark.parametrize("spec, source, message", [
-    ("brevity", None, "expected MODULE:FUNCTION (e.g. my_rewards:brevity"),
-    ("no_such_module_here:f", None, "there is no module 'no_such_module_here': no no_such_module_here.py in the "
-                                    "working directory"),
-    ("user_mod:missing", "def exact(c, a):\n    return c\n", "has no function 'missing'; its functions: exact"),
-    ("user_mod:VALUE", "VALUE = 3\n", "has no function 'VALUE'"),
-    ("user_mod:f", "import numpy\nx = 1 / 0\n", "importing user_mod raised ZeroDivisionError: division by zero "
-                                                "(user_mod.py:2)"),
-    ("user_mod:f", "def f(c, a)\n", "(user_mod.py, line 1)."),  # a SyntaxError's own text varies by Python version
-    ("user_mod:f", "import no_such_dependency_xyz\n", "importing user_mod failed: No module named "
-                                                      "'no_such_dependency_xyz'"),
-])
-def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(tmp_path, monkeypatch, spec, source, message):
+@pytest.mark.parametrize(
+    "spec, source, message",
+    [
+        ("brevity", None, "expected MODULE:FUNCTION (e.g. my_rewards:brevity"),
+        (
+            "no_such_module_here:f",
+            None,
+            "there is no module 'no_such_module_here': no no_such_module_here.py in the "
+            "working directory",
+        ),
+        (
+            "user_mod:missing",
+            "def exact(c, a):\n    return c\n",
+            "has no function 'missing'; its functions: exact",
+        ),
+        ("user_mod:VALUE", "VALUE = 3\n", "has no function 'VALUE'"),
+        (
+            "user_mod:f",
+            "import numpy\nx = 1 / 0\n",
+            "importing user_mod raised ZeroDivisionError: division by zero (user_mod.py:2)",
+        ),
+        (
+            "user_mod:f",
+            "def f(c, a)\n",
+            "(user_mod.py, line 1).",
+        ),  # a SyntaxError's own text varies by Python version
+        (
+            "user_mod:f",
+            "import no_such_dependency_xyz\n",
+            "importing user_mod failed: No module named 'no_such_dependency_xyz'",
+        ),
+    ],
+)
+def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(
+    tmp_path, monkeypatch, spec, source, message
+):
     monkeypatch.chdir(tmp_path)
     if source is not None:
         write_module(tmp_path, "user_mod", source)
@@ -341,12 +461,21 @@ def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(tmp_path, monkeypa
 
 def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
     argv = own_task_argv(tmp_path, "--reward-fn", "format,correctness", "--reward-weights", "1,2,3")
-    with pytest.raises(config.UserError, match=re.escape("one weight per reward, in the order: reward functions, then "
-                                                         "reward models, then the overlong penalty (format, "
-                                                         "correctness): 2 numbers, got 3")):
+    with pytest.raises(
+        config.UserError,
+        match=re.escape(
+            "one weight per reward, in the order: reward functions, then "
+            "reward models, then the overlong penalty (format, "
+            "correctness): 2 numbers, got 3"
+        ),
+    ):
         train.setup(config.parse_args(argv))
     with pytest.raises(config.UserError, match="logged under the same name \\(format\\)"):
-        train.setup(config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")))
+        train.setup(
+            config.parse_args(
+                own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")
+            )
+        )
 
 
 def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp_path):
@@ -356,8 +485,13 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
         seen.append(id)
         return [0.0] * len(completions)
 
-    rows = [{"question": "q0", "answer": 1, "fields": {"id": 7}}, {"question": "q1", "answer": 2, "fields": {}}]
-    task = data.Task(train=rows, eval=[], prompt=None, rewards=rewards.weighted([("wants_id", wants_id)], [1.0]))
+    rows = [
+        {"question": "q0", "answer": 1, "fields": {"id": 7}},
+        {"question": "q1", "answer": 2, "fields": {}},
+    ]
+    task = data.Task(
+        train=rows, eval=[], prompt=None, rewards=rewards.weighted([("wants_id", wants_id)], [1.0])
+    )
     task.score(rows[1:], ["a"])  # a batch in which no row has the field: still passed, as None
     assert seen == [[None]]
     path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "a", "prompts": "x"}])
@@ -370,23 +504,43 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
 # --- reward functions that fail or return something else than numbers -------------------------------------------------
 
 
-@pytest.mark.parametrize("fn, message", [
-    ("picky", "reward function 'picky' raised ZeroDivisionError: float division by zero (user_rewards.py:5) on a "
-              "batch of 8 completions; called on completion {first} alone it raises too; that completion began: "
-              "{text}"),
-    ("batch_only", "reward function 'batch_only' raised RuntimeError: only fails on batches (user_rewards.py:8) on a "
-                   "batch of 8 completions; called on each completion alone it does not raise; the batch's first "
-                   "completion began: "),
-    ("words", "reward function 'words' returned 'one' (str) for completion 0, which is not a number."),
-    ("short", "reward function 'short' must return one number per completion (8); it returned 7 values"),
-    ("nothing", "reward function 'nothing' must return one number per completion (8); it returned a NoneType "
-                "(TypeError: 'NoneType' object is not iterable)."),
-])
-def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_completion(tmp_path, monkeypatch, capsys,
-                                                                                      fn, message):
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (
+            "picky",
+            "reward function 'picky' raised ZeroDivisionError: float division by zero (user_rewards.py:5) on a "
+            "batch of 8 completions; called on completion {first} alone it raises too; that completion began: "
+            "{text}",
+        ),
+        (
+            "batch_only",
+            "reward function 'batch_only' raised RuntimeError: only fails on batches (user_rewards.py:8) on a "
+            "batch of 8 completions; called on each completion alone it does not raise; the batch's first "
+            "completion began: ",
+        ),
+        (
+            "words",
+            "reward function 'words' returned 'one' (str) for completion 0, which is not a number.",
+        ),
+        (
+            "short",
+            "reward function 'short' must return one number per completion (8); it returned 7 values",
+        ),
+        (
+            "nothing",
+            "reward function 'nothing' must return one number per completion (8); it returned a NoneType "
+            "(TypeError: 'NoneType' object is not iterable).",
+        ),
+    ],
+)
+def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_completion(
+    tmp_path, monkeypatch, capsys, fn, message
+):
     monkeypatch.chdir(tmp_path)
     write_module(tmp_path, "user_rewards", RAISING_REWARDS)
-    argv = own_task_argv(tmp_path, "--reward-fn", f"user_rewards:{fn}", "--seed", "0")  # the id-3 row comes last
+    # the id-3 row comes last
+    argv = own_task_argv(tmp_path, "--reward-fn", f"user_rewards:{fn}", "--seed", "0")
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv)
     err = capsys.readouterr().err
@@ -399,20 +553,35 @@ def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_comple
         batch = sys.modules["user_rewards"].seen[0]
         message = message.format(first=first, text=repr(batch[first][:200]))
     assert f"error: {message}" in err, err[-600:]
-    assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0  # saved before any update
+    # saved before any update
+    assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (lambda c, a: np.array([[1.0], [2.0]]), [1.0, 2.0]),            # [N, 1] arrays and tensors are flattened
-    (lambda c, a: torch.tensor([[1.0], [2.0]]), [1.0, 2.0]),
-    (lambda c, a: (x for x in [1.0, 2.0]), [1.0, 2.0]),             # a generator is a list
-    (lambda c, a: {0: 1.0, 1: 2.0}, "returned a dict; it must return a list with one number per completion (2)"),
-    (generator_that_raises, "returned a generator (ZeroDivisionError: division by zero (test_rewards.py:"),
-    (lambda c, a: 3.0, "returned a float (TypeError: 'float' object is not iterable"),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (
+            lambda c, a: np.array([[1.0], [2.0]]),
+            [1.0, 2.0],
+        ),  # [N, 1] arrays and tensors are flattened
+        (lambda c, a: torch.tensor([[1.0], [2.0]]), [1.0, 2.0]),
+        (lambda c, a: (x for x in [1.0, 2.0]), [1.0, 2.0]),  # a generator is a list
+        (
+            lambda c, a: {0: 1.0, 1: 2.0},
+            "returned a dict; it must return a list with one number per completion (2)",
+        ),
+        (
+            generator_that_raises,
+            "returned a generator (ZeroDivisionError: division by zero (test_rewards.py:",
+        ),
+        (lambda c, a: 3.0, "returned a float (TypeError: 'float' object is not iterable"),
+    ],
+)
 def test_what_a_reward_function_returns_is_a_list_of_numbers_or_one_clear_error(fn, expected):
     try:
-        got = rewards.score(rewards.weighted([("f", fn)], [1.0]), ["a", "b"], ["1", "2"])[0].tolist()
+        got = rewards.score(rewards.weighted([("f", fn)], [1.0]), ["a", "b"], ["1", "2"])[
+            0
+        ].tolist()
     except config.UserError as e:
         got = str(e)
     assert got == expected if isinstance(expected, list) else expected in got
@@ -421,6 +590,7 @@ def test_what_a_reward_function_returns_is_a_list_of_numbers_or_one_clear_error(
 def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion():
     def fails(completions, answers):
         raise ValueError("bad")
+
     long = "x" * 150 + "y" * 150
     with pytest.raises(config.UserError) as info:
         rewards.score(rewards.weighted([("fails", fails)], [1.0]), [long], ["1"])
@@ -432,14 +602,17 @@ def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion
 
 def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on_cpu(tmp_path):
     from transformers import AutoModelForSequenceClassification
+
     path = tiny_reward_model_dir(tmp_path)
     scorer = rewards.RewardModel(path, "cpu", batch_size=3)
     prompts = ["3 + 4 =", "1 + 1 =", "5 + 5 =", "2 + 0 ="]
     completions = ["<answer> 7", "2", "<answer> 10 </answer>", ""]
     scores = scorer(completions, [None] * 4, prompts)
     reference = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    alone = [reference(**scorer.tokenizer(f"{p}\n{c}", return_tensors="pt")).logits[0, 0].item()
-             for p, c in zip(prompts, completions)]
+    alone = [
+        reference(**scorer.tokenizer(f"{p}\n{c}", return_tensors="pt")).logits[0, 0].item()
+        for p, c in zip(prompts, completions)
+    ]
     # The same fp32 model, padded in batches of 3 vs one text at a time: equal up to summation order (~1e-7).
     assert scores == pytest.approx(alone, abs=1e-5)
     assert len(set(scores)) == 4  # the texts differ, and so do their scores
@@ -448,16 +621,34 @@ def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on
     assert {p.dtype for p in params} == {torch.float32}
 
 
-def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_the_functions(tmp_path):
+def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_the_functions(
+    tmp_path,
+):
     path = tiny_reward_model_dir(tmp_path)
-    train.main(own_task_argv(tmp_path, "--reward-fn", "correctness", "--reward-model", path,
-                             "--reward-weights", "1.0,0.5"))
+    train.main(
+        own_task_argv(
+            tmp_path,
+            "--reward-fn",
+            "correctness",
+            "--reward-model",
+            path,
+            "--reward-weights",
+            "1.0,0.5",
+        )
+    )
     (row,) = read_metrics(tmp_path / "run")
-    assert row["reward"] == pytest.approx(row["rewards/correctness"] + 0.5 * row["rewards/tiny-rm"], abs=1e-6)
+    assert row["reward"] == pytest.approx(
+        row["rewards/correctness"] + 0.5 * row["rewards/tiny-rm"], abs=1e-6
+    )
     assert row["rewards/tiny-rm_std"] > 0  # the classifier tells the completions apart
     second = tiny_reward_model_dir(tmp_path, 1, "rm2")
     args = config.parse_args(own_task_argv(tmp_path, "--reward-model", f"{path},{second}"))
-    assert [r.name for r in train.setup(args)[0].rewards] == ["correctness", "format", "tiny-rm", "rm2"]
+    assert [r.name for r in train.setup(args)[0].rewards] == [
+        "correctness",
+        "format",
+        "tiny-rm",
+        "rm2",
+    ]
 
 
 def test_a_reward_model_must_load_as_a_classifier_with_one_output(tmp_path):

@@ -3,6 +3,7 @@ transformers' generate, generation that follows the flags alone, top-k then top-
 sampled distribution (chi-square). Tolerances: fp32 on both sides, differing in summation order only (~1e-7), are
 compared at 1e-5; a test that needs another bound states it.
 """
+
 import collections
 import math
 
@@ -18,7 +19,9 @@ from sampling import token_logprobs
 
 def naive_logprobs(model, ids, attention, c, temperature):
     positions = (attention.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -c - 1:-1]
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[
+        :, -c - 1 : -1
+    ]
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, -c:, None]).squeeze(-1)
 
 
@@ -32,12 +35,14 @@ def logprobs_and_grad(model, fn):
 def count_cache_repeats(monkeypatch):
     """Spy on DynamicCache.batch_repeat_interleave: the prompt-once path calls it, the plain path does not."""
     from transformers import DynamicCache
+
     calls = []
     original = DynamicCache.batch_repeat_interleave
 
     def spy(self, repeats):
         calls.append(repeats)
         return original(self, repeats)
+
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", spy)
     return calls
 
@@ -46,10 +51,13 @@ def left_padded_prompts(lengths, vocab_size, seed=1):
     """[B, P] ids and mask, left-padded with id 0, prompts of the given lengths (random ids >= 2)."""
     g = torch.Generator().manual_seed(seed)
     P = max(lengths)
-    ids, mask = torch.zeros(len(lengths), P, dtype=torch.long), torch.zeros(len(lengths), P, dtype=torch.long)
+    ids, mask = (
+        torch.zeros(len(lengths), P, dtype=torch.long),
+        torch.zeros(len(lengths), P, dtype=torch.long),
+    )
     for i, n in enumerate(lengths):
-        ids[i, P - n:] = torch.randint(2, vocab_size, (n,), generator=g)
-        mask[i, P - n:] = 1
+        ids[i, P - n :] = torch.randint(2, vocab_size, (n,), generator=g)
+        mask[i, P - n :] = 1
     return ids, mask
 
 
@@ -67,6 +75,7 @@ def chi_square_bound(dof, z=3.719):
 def hf_warpers(scores, temperature, top_k, top_p):
     """transformers' own sampling warpers, in generate()'s order."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     scores = TemperatureLogitsWarper(temperature)(None, scores)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
@@ -80,16 +89,22 @@ def hf_warpers(scores, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("group_size", [1, 4], ids=["plain", "prompt-once-per-group"])
 @pytest.mark.parametrize("plain_head", [True, False], ids=["chunked-lm-head", "logits-path"])
-def test_token_logprobs_equal_naive_with_left_padding_and_temperature_0_7(group_size, plain_head, monkeypatch):
+def test_token_logprobs_equal_naive_with_left_padding_and_temperature_0_7(
+    group_size, plain_head, monkeypatch
+):
     # Tolerance: both sides are fp32 and differ only in summation order: ~1e-7, the issue asks 1e-5.
     if not plain_head:
-        monkeypatch.setattr(sampling, "PLAIN_HEAD_MODEL_TYPES", set())        # force the logits fallback
+        monkeypatch.setattr(sampling, "PLAIN_HEAD_MODEL_TYPES", set())  # force the logits fallback
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
-    attention[1, -2:] = 0                                                    # tokens after an EOS
-    expected, expected_grad = logprobs_and_grad(model, lambda: naive_logprobs(model, ids, attention, 5, 0.7))
-    logps, grad = logprobs_and_grad(model, lambda: token_logprobs(model, ids, attention, 5, 0.7,
-                                                                  group_size=group_size, chunk_size=3))
+    attention[1, -2:] = 0  # tokens after an EOS
+    expected, expected_grad = logprobs_and_grad(
+        model, lambda: naive_logprobs(model, ids, attention, 5, 0.7)
+    )
+    logps, grad = logprobs_and_grad(
+        model,
+        lambda: token_logprobs(model, ids, attention, 5, 0.7, group_size=group_size, chunk_size=3),
+    )
     assert logps.dtype == torch.float32 and logps.shape == (12, 5)
     torch.testing.assert_close(logps, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
@@ -99,35 +114,49 @@ def test_token_logprobs_equal_naive_with_left_padding_and_temperature_0_7(group_
 
 @pytest.mark.parametrize("group_size", [1, 4], ids=["plain", "prompt-once-per-group"])
 @pytest.mark.parametrize("plain_head", [True, False], ids=["chunked-lm-head", "logits-path"])
-def test_entropy_from_the_chunked_head_equals_the_naive_softmax_entropy(group_size, plain_head, monkeypatch):
+def test_entropy_from_the_chunked_head_equals_the_naive_softmax_entropy(
+    group_size, plain_head, monkeypatch
+):
     # fp32 on both sides, differing in summation order only (~1e-7); 1e-5 as for the log-probs.
     if not plain_head:
         monkeypatch.setattr(sampling, "PLAIN_HEAD_MODEL_TYPES", set())
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
     positions = (attention.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -6:-1] / 0.7
-    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)          # [12, 5]
-    logps, entropy = token_logprobs(model, ids, attention, 5, 0.7, group_size=group_size, chunk_size=3, entropy=True)
+    logits = (
+        model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -6:-1]
+        / 0.7
+    )
+    expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [12, 5]
+    logps, entropy = token_logprobs(
+        model, ids, attention, 5, 0.7, group_size=group_size, chunk_size=3, entropy=True
+    )
     torch.testing.assert_close(entropy, expected.detach(), rtol=0, atol=1e-5)
     assert not entropy.requires_grad and logps.requires_grad
-    assert 0 < entropy.min() and entropy.max() <= math.log(model.config.vocab_size) + 1e-5  # H is in (0, log V]
+    # H is in (0, log V]
+    assert 0 < entropy.min() and entropy.max() <= math.log(model.config.vocab_size) + 1e-5
 
 
 def test_token_logprobs_with_gradient_checkpointing_falls_back_to_plain_path():
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=4)
     expected = naive_logprobs(model, ids, attention, 5, 1.0).detach()
-    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # renamed in 5.x
+    getattr(
+        model, "activation_checkpointing_enable", model.gradient_checkpointing_enable
+    )()  # renamed in 5.x
     model.train()
     logps = token_logprobs(model, ids, attention, 5, group_size=4)
     torch.testing.assert_close(logps.detach(), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("group_size,checkpointing,expected_calls", [(1, False, []), (4, False, [4]), (4, True, [])],
-                         ids=["plain", "prompt-once", "checkpointing-falls-back"])
-def test_token_logprobs_takes_the_prompt_once_path_only_where_it_can(monkeypatch, group_size, checkpointing,
-                                                                     expected_calls):
+@pytest.mark.parametrize(
+    "group_size,checkpointing,expected_calls",
+    [(1, False, []), (4, False, [4]), (4, True, [])],
+    ids=["plain", "prompt-once", "checkpointing-falls-back"],
+)
+def test_token_logprobs_takes_the_prompt_once_path_only_where_it_can(
+    monkeypatch, group_size, checkpointing, expected_calls
+):
     calls = count_cache_repeats(monkeypatch)
     model = tiny_llama()
     if checkpointing:
@@ -152,10 +181,12 @@ def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_hea
     expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
     exp_h, exp_w = torch.autograd.grad((expected * upstream).sum(), [hidden, weight])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, _ = sampling._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)  # 5 chunks, the last one partial
+        # 5 chunks, the last one partial
+        got, _ = sampling._LinearLogprobs.apply(hidden, weight, targets, 0.7, 8)
     got_h, got_w = torch.autograd.grad((got * upstream).sum(), [hidden, weight])
     assert got.dtype == torch.float32 and hidden.grad is None
-    torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)   # the same bf16 logits, fp32 after
+    # the same bf16 logits, fp32 after
+    torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(got_h, exp_h, rtol=2e-2, atol=2e-2 * exp_h.abs().max().item())
     torch.testing.assert_close(got_w, exp_w, rtol=2e-2, atol=2e-2 * exp_w.abs().max().item())
 
@@ -167,12 +198,29 @@ def test_token_logprobs_equal_the_log_probs_generate_sampled_from():
     ids, attention = left_padded_batch(group_size=1, completion_length=1)
     prompt, prompt_mask = ids[:, :-1], attention[:, :-1]
     torch.manual_seed(0)
-    out = model.generate(input_ids=prompt, attention_mask=prompt_mask, do_sample=True, temperature=0.7, top_k=0,
-                         top_p=1.0, max_new_tokens=6, min_new_tokens=6, num_return_sequences=4,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    completion = out.sequences[:, prompt.shape[1]:]                                  # [B*4, 6]
-    sampled = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, completion[:, t:t + 1]).squeeze(-1)
-                           for t, s in enumerate(out.scores)], dim=1)
+    out = model.generate(
+        input_ids=prompt,
+        attention_mask=prompt_mask,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        num_return_sequences=4,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    completion = out.sequences[:, prompt.shape[1] :]  # [B*4, 6]
+    sampled = torch.stack(
+        [
+            torch.log_softmax(s.float(), -1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
+            for t, s in enumerate(out.scores)
+        ],
+        dim=1,
+    )
     mask = torch.cat([prompt_mask.repeat_interleave(4, 0), torch.ones_like(completion)], dim=1)
     logps = token_logprobs(model, out.sequences, mask, 6, temperature=0.7, group_size=4)
     torch.testing.assert_close(logps, sampled, rtol=0, atol=1e-5)
@@ -183,17 +231,26 @@ def test_token_logprobs_equal_the_log_probs_generate_sampled_from():
 
 def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefills_each_prompt_once():
     model = small_llama()
-    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)  # the 1-token prompt's prefill columns are all padding
+    # the 1-token prompt's prefill columns are all padding
+    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)
     # top-k = 1: sampling keeps only the argmax, so decode is greedy and must equal transformers' greedy generate
     # (on the prompts repeated G times) token for token, EOS and the padding after it included.
     settings = sampling.Sampling(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=12)
     batches = []
-    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: batches.append(tuple(args[0].shape)))
+    model.model.embed_tokens.register_forward_pre_hook(
+        lambda m, args: batches.append(tuple(args[0].shape))
+    )
     ours = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert batches[0] == (4, 8)  # the B prompts once, not B*G rows
     assert batches[1] == (12, 1)
-    hf = model.generate(input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0),
-                        do_sample=False, max_new_tokens=12, eos_token_id=demo.EOS, pad_token_id=demo.PAD)[:, 8:]
+    hf = model.generate(
+        input_ids=ids.repeat_interleave(3, 0),
+        attention_mask=mask.repeat_interleave(3, 0),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=demo.EOS,
+        pad_token_id=demo.PAD,
+    )[:, 8:]
     assert torch.equal(ours, hf)
     assert len({tuple(row) for row in ours.tolist()}) > 1  # not a degenerate all-equal output
 
@@ -204,7 +261,9 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
     settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
     lengths = torch.tensor([3, 8, 1, 9, 5, 2])  # 9 > 8: no EOS (truncated)
     batches = []
-    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: batches.append(args[0].shape[0]))
+    model.model.embed_tokens.register_forward_pre_hook(
+        lambda m, args: batches.append(args[0].shape[0])
+    )
     torch.manual_seed(0)
     out = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD, lengths=lengths)
     # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS after it.
@@ -212,7 +271,14 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
     assert out.shape == (6, 8)
     completion_mask = grpo.completion_mask(out, [demo.EOS])
     assert completion_mask.sum(1).tolist() == [3, 8, 1, 8, 5, 2]
-    assert [row.index(demo.EOS) + 1 if demo.EOS in row else None for row in out.tolist()] == [3, 8, 1, None, 5, 2]
+    assert [row.index(demo.EOS) + 1 if demo.EOS in row else None for row in out.tolist()] == [
+        3,
+        8,
+        1,
+        None,
+        5,
+        2,
+    ]
     assert (out[completion_mask == 0] == demo.PAD).all()
 
 
@@ -221,18 +287,36 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
     # bench.force_lengths, which hands each generate call its step's lengths), ours with decode(lengths=...). Both must
     # end every row where the lengths say (9 > 8 new tokens: cut off, no EOS).
     import bench
+
     model = small_llama()
     ids, mask = left_padded_prompts([5, 5], 97)
     lengths = torch.tensor([3, 8, 1, 9, 5, 2])
     bench.force_lengths(model, [lengths])
     torch.manual_seed(0)
-    hf = model.generate(input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0),
-                        do_sample=True, top_k=50, max_new_tokens=8, eos_token_id=demo.EOS, pad_token_id=demo.PAD)
-    ours = sampling.generate(model, ids, mask, sampling.Sampling(0.9, 50, 0.9, 8), 3, [demo.EOS], demo.PAD,
-                             lengths=lengths)
+    hf = model.generate(
+        input_ids=ids.repeat_interleave(3, 0),
+        attention_mask=mask.repeat_interleave(3, 0),
+        do_sample=True,
+        top_k=50,
+        max_new_tokens=8,
+        eos_token_id=demo.EOS,
+        pad_token_id=demo.PAD,
+    )
+    ours = sampling.generate(
+        model,
+        ids,
+        mask,
+        sampling.Sampling(0.9, 50, 0.9, 8),
+        3,
+        [demo.EOS],
+        demo.PAD,
+        lengths=lengths,
+    )
     for completions in (hf[:, 5:], ours):
         assert grpo.completion_mask(completions, [demo.EOS]).sum(1).tolist() == [3, 8, 1, 8, 5, 2]
-        assert (completions == demo.EOS).sum().item() == 5  # EOS only where forced: every row but the 9's
+        assert (
+            completions == demo.EOS
+        ).sum().item() == 5  # EOS only where forced: every row but the 9's
 
 
 def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
@@ -245,10 +329,13 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
     torch.manual_seed(0)
     completions, drawn = sampling.decode(model, ids, mask, settings, 4, [demo.EOS], demo.PAD)
     completion_mask = grpo.completion_mask(completions, [demo.EOS])
-    assert len(set(completion_mask.sum(1).tolist())) > 2  # rows of several lengths: some left the batch early
+    # rows of several lengths: some left the batch early
+    assert len(set(completion_mask.sum(1).tolist())) > 2
     full = torch.cat([ids.repeat_interleave(4, 0), completions], 1)
     attention = torch.cat([mask.repeat_interleave(4, 0), completion_mask], 1)
-    logps = token_logprobs(model, full, attention, completions.shape[1], temperature=0.7, group_size=4)
+    logps = token_logprobs(
+        model, full, attention, completions.shape[1], temperature=0.7, group_size=4
+    )
     torch.testing.assert_close(logps * completion_mask, drawn, rtol=0, atol=1e-5)
 
 
@@ -256,7 +343,9 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
 
 
 @pytest.mark.parametrize("path", ["decode", "generate"])
-def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_k_top_p(path, monkeypatch):
+def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_k_top_p(
+    path, monkeypatch
+):
     # The exact probability of every two-token completion (or of EOS first) from one prompt, computed from the
     # model's logits through transformers-equal warpers (T = 0.5, top-k 4, top-p 0.8), against the counts of 6,000
     # samples: a chi-square test at p = 1e-4 (one fixed seed, so the result is the same at every run). decode() is
@@ -273,30 +362,54 @@ def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_
                 exact[(t1,)] = first[t1].item()
                 continue
             seq = torch.cat([ids, torch.tensor([[t1]])], 1)
-            second = warp(None, model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, -1]).softmax(-1)
-            exact.update({(t1, t2): first[t1].item() * second[0, t2].item()
-                          for t2 in second[0].nonzero().squeeze(1).tolist()})
-    assert 6 <= len(exact) <= 16 and max(exact.values()) < 0.5  # a distribution with spread, not one token
+            second = warp(
+                None, model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[:, -1]
+            ).softmax(-1)
+            exact.update(
+                {
+                    (t1, t2): first[t1].item() * second[0, t2].item()
+                    for t2 in second[0].nonzero().squeeze(1).tolist()
+                }
+            )
+    # a distribution with spread, not one token
+    assert 6 <= len(exact) <= 16 and max(exact.values()) < 0.5
     if path == "generate":
         monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
     torch.manual_seed(0)
-    out = sampling.generate(model, ids, mask, sampling.Sampling(T, k, p, 2), N, [demo.EOS], demo.PAD)
-    counts = collections.Counter(tuple(row[:1]) if row[0] == demo.EOS else tuple(row) for row in out.tolist())
+    out = sampling.generate(
+        model, ids, mask, sampling.Sampling(T, k, p, 2), N, [demo.EOS], demo.PAD
+    )
+    counts = collections.Counter(
+        tuple(row[:1]) if row[0] == demo.EOS else tuple(row) for row in out.tolist()
+    )
     assert set(counts) <= set(exact)  # nothing outside the survivors
     chi2 = sum((counts[o] - N * q) ** 2 / (N * q) for o, q in exact.items())
     assert chi2 < chi_square_bound(len(exact) - 1)
 
 
-@pytest.mark.parametrize("limit, context, expected", [(5, 512, 5), (None, 16, 10), (None, 512, 20)],
-                         ids=["--max-prompt-length 5", "context 16 - 6 new tokens", "fits"])
-def test_a_prompt_longer_than_the_limit_keeps_its_last_tokens_with_a_warning(limit, context, expected, capsys):
+@pytest.mark.parametrize(
+    "limit, context, expected",
+    [(5, 512, 5), (None, 16, 10), (None, 512, 20)],
+    ids=["--max-prompt-length 5", "context 16 - 6 new tokens", "fits"],
+)
+def test_a_prompt_longer_than_the_limit_keeps_its_last_tokens_with_a_warning(
+    limit, context, expected, capsys
+):
     model = demo.tiny_llama(len(demo.WORDS), 0, max_position_embeddings=context)
     tokenizer = demo.word_tokenizer(demo.WORDS)
     prompt = " ".join(demo.WORDS[2:22])  # 20 tokens
-    rollouts = sampling.sample_rollouts(model, tokenizer, [prompt, "3 + 4 ="], sampling.Sampling(
-        max_new_tokens=6, max_prompt_length=limit), group_size=2)
+    rollouts = sampling.sample_rollouts(
+        model,
+        tokenizer,
+        [prompt, "3 + 4 ="],
+        sampling.Sampling(max_new_tokens=6, max_prompt_length=limit),
+        group_size=2,
+    )
     P = rollouts.prompt_length
-    assert P == expected and rollouts.input_ids[0, :P].tolist() == tokenizer(prompt).input_ids[-expected:]
+    assert (
+        P == expected
+        and rollouts.input_ids[0, :P].tolist() == tokenizer(prompt).input_ids[-expected:]
+    )
     assert ("1 prompt(s) longer than" in capsys.readouterr().err) == (expected < 20)
 
 
@@ -306,7 +419,12 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
     ids, mask = left_padded_prompts([4, 6], 97)
     clean, polluted = small_llama(), small_llama()
     gc = polluted.generation_config
-    gc.repetition_penalty, gc.no_repeat_ngram_size, gc.suppress_tokens, gc.min_p = 2.0, 2, [5, 6, 7], 0.5
+    gc.repetition_penalty, gc.no_repeat_ngram_size, gc.suppress_tokens, gc.min_p = (
+        2.0,
+        2,
+        [5, 6, 7],
+        0.5,
+    )
     gc.temperature, gc.top_k, gc.top_p, gc.min_new_tokens = 0.1, 3, 0.2, 10
     used = []
     real = type(polluted)._get_logits_processor
@@ -315,20 +433,28 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
         used.append(real(self, generation_config, *a, **kw))
         return used[-1]
 
-    if path == "generate":  # transformers' generate(), where decode() does not run (beam search, FSDP)
+    # transformers' generate(), where decode() does not run (beam search, FSDP)
+    if path == "generate":
         monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
     monkeypatch.setattr(type(polluted), "_get_logits_processor", record)
     out = {}
     for name, model in (("clean", clean), ("polluted", polluted)):
         torch.manual_seed(0)
         out[name] = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
-    assert torch.equal(out["clean"], out["polluted"])  # same seed, same samples: the checkpoint's settings unused
+    # same seed, same samples: the checkpoint's settings unused
+    assert torch.equal(out["clean"], out["polluted"])
     assert len({tuple(row) for row in out["clean"].tolist()}) > 1
     assert polluted.generation_config.repetition_penalty == 2.0  # and left as they were
-    assert len(used) == (2 if path == "generate" else 0)  # decode() never builds transformers' processors
-    for processors in used:  # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
+    # decode() never builds transformers' processors
+    assert len(used) == (2 if path == "generate" else 0)
+    # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
+    for processors in used:
         assert [type(p) for p in processors] == [sampling.TemperatureTopKTopP]
-        assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (0.7, 20, 0.8)
+        assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (
+            0.7,
+            20,
+            0.8,
+        )
 
 
 # --- top-k then top-p on the survivors, as transformers does ----------------------------------------------------------
@@ -340,11 +466,13 @@ def test_one_processor_equals_hf_temperature_then_top_k_then_top_p_on_random_log
     scores = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
     scores[0, :10] = float("-inf")  # as after min_new_tokens' EOS ban
     ours = sampling.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
-    assert torch.equal(ours, hf_warpers(scores, 0.7, top_k, top_p))  # same survivors, same logits: same probabilities
+    # same survivors, same logits: same probabilities
+    assert torch.equal(ours, hf_warpers(scores, 0.7, top_k, top_p))
 
 
-@pytest.mark.parametrize("top_p, survivors", [(1.0, [0, 1, 2, 3, 4]), (0.99, [0, 1, 2, 3, 4]), (0.8, [0, 1]),
-                                              (0.5, [0])])
+@pytest.mark.parametrize(
+    "top_p, survivors", [(1.0, [0, 1, 2, 3, 4]), (0.99, [0, 1, 2, 3, 4]), (0.8, [0, 1]), (0.5, [0])]
+)
 def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
     # logits 5, 4, then 2 three times: top-k=3 keeps all five (ties with the 3rd survive, as in HF). Probabilities
     # over them 0.658, 0.242, 0.033 x3: ascending cumulative 0.033 0.066 0.098 0.341 1, so top-p 0.8 drops the three

@@ -11,6 +11,7 @@
 The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, the models in models.py,
 checkpoints in checkpoint.py, the progress line and metrics.jsonl in report.py.
 """
+
 import contextlib
 import dataclasses
 import functools
@@ -44,51 +45,93 @@ def train(args, task, model, tokenizer, resume_dir=None):
     run = build_run(args, model, tokenizer, resume_dir)
     model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
     settings = sampling.Sampling.of(args)
-    micro = args.micro_batch_size or args.batch_size * G  # completions per forward/backward: whole groups
-    update = functools.partial(policy_update, model, run.optimizer, run.scheduler, objective=Objective.of(args),
-                               micro_batch_size=micro, max_grad_norm=args.max_grad_norm, amp=amp, scaler=run.scaler,
-                               ddp=run.ddp)
-    if args.compile:  # the compiled decode's shapes, fixed for the run: at most two graphs and two KV caches
-        sampling.plan_decode(model, decode_rows(args), decode_length(task, tokenizer, model, settings))
+    # Completions per forward/backward: whole groups.
+    micro = args.micro_batch_size or args.batch_size * G
+    objective = Objective.of(args)
+    if args.compile:
+        # The compiled decode's shapes, fixed for the run: at most two graphs and two KV caches.
+        length = decode_length(task, tokenizer, model, settings)
+        sampling.plan_decode(model, decode_rows(args), length)
     report.print_header(args, model)
-    evaluate_if_due(run, task, args, run.start_step)  # before training (or the evaluation a crash cut short)
+    # Before training (or the evaluation a crash cut short).
+    evaluate_if_due(run, task, args, run.start_step)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
-    for step in range(run.start_step, args.steps):                                  # 4: for step = 1, ..., M
+    # 4: for step = 1, ..., M
+    for step in range(run.start_step, args.steps):
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
         try:
-            rows = distributed.shard(data.batch_at(task.train, prompts_per_step(args), args.seed, step))  # 5: my share
+            # 5: sample a batch D_b from D (under torchrun, this process's share of it).
+            batch = data.batch_at(task.train, prompts_per_step(args), args.seed, step)
+            rows = distributed.shard(batch)
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
-            prompts = [task.query(tokenizer, row["question"]) for row in rows]  # q: the prompt, then any prefix
-            rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)  # 7: G outputs o_i per q
-            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths)  # 8: r_i [B*G], {name: [B*G]}
-            dynamic = {}  # DAPO's dynamic sampling: drop groups without reward spread, sample more prompts to refill
+            # q: the prompt, then any response prefix.
+            prompts = [task.query(tokenizer, row["question"]) for row in rows]
+            # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
+            rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)
+            # 8: compute the rewards r_i of each o_i: [B*G] in all, and {name: [B*G]} per function.
+            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths)
+            # DAPO's dynamic sampling: drop groups without reward spread, sample more prompts to refill.
+            dynamic = {}
             if args.dynamic_sampling:
-                rows, rollouts, reward, per_fn, dynamic = fill_with_spread(run, task, args, step, rows, rollouts,
-                                                                           reward, per_fn)
-            mu = 0 if dynamic.get("skipped_no_spread") else args.num_iterations  # no group with spread: no update
-            if args.mask_truncated:  # a completion the budget cut off gets no loss (its reward is still scored)
+                rows, rollouts, reward, per_fn, dynamic = fill_with_spread(
+                    run, task, args, step, rows, rollouts, reward, per_fn
+                )
+            # No group with spread at all: no update.
+            mu = 0 if dynamic.get("skipped_no_spread") else args.num_iterations
+            if args.mask_truncated:
+                # A completion the budget cut off gets no loss (its reward is still scored).
                 rollouts.completion_mask[rollouts.truncated] = 0
-            advantages = grpo.group_advantages(distributed.gather(reward), G, scale=args.scale_rewards)  # 9: Â_i,t,
-            advantages = distributed.shard(advantages).to(rollouts.input_ids.device)  # the same for all t [B*G]
-            # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0).
-            ref_logps = None if run.ref_model is None or mu == 0 else frozen_logps(
-                run.ref_model, rollouts, micro, amp, shared_prompt=not args.gradient_checkpointing)  # [B*G, C]
-            old_logps = None                                      # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
-            for iteration in range(mu):                                             # 10: for GRPO iteration = 1..μ
-                stats, logps = update(rollouts, advantages, old_logps, ref_logps)   # 11: maximize eq. 3 (AdamW step)
+            # 9: Â_i,t by group-relative advantage estimation, the same for every t of o_i: [B*G].
+            advantages = grpo.group_advantages(
+                distributed.gather(reward), G, scale=args.scale_rewards
+            )
+            advantages = distributed.shard(advantages).to(rollouts.input_ids.device)
+            # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0): [B*G, C].
+            ref_logps = None
+            if run.ref_model is not None and mu > 0:
+                shared_prompt = not args.gradient_checkpointing
+                ref_logps = frozen_logps(run.ref_model, rollouts, micro, amp, shared_prompt)
+            # μ = 1: π_old = sg(π_θ), the ratio is exactly 1.
+            old_logps = None
+            # 10: for GRPO iteration = 1, ..., μ
+            for iteration in range(mu):
+                # 11: update π_θ by maximizing eq. 3 (one AdamW step).
+                stats, logps = policy_update(
+                    model,
+                    run.optimizer,
+                    run.scheduler,
+                    rollouts,
+                    advantages,
+                    old_logps,
+                    ref_logps,
+                    objective=objective,
+                    micro_batch_size=micro,
+                    max_grad_norm=args.max_grad_norm,
+                    amp=amp,
+                    scaler=run.scaler,
+                    ddp=run.ddp,
+                )
                 updates.append(stats)
                 if old_logps is None and args.num_iterations > 1:
-                    old_logps = logps  # iteration 1 ran before any update: its log-probs are π_old's [B*G, C]
+                    # Iteration 1 ran before any update: its log-probs are π_old's [B*G, C].
+                    old_logps = logps
                 nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
-            metrics = {**report.step_metrics(*every_rank(reward, per_fn, rollouts), G, updates, times,
-                                           args.steps - step - 1, run.scheduler), **dynamic}
+            gathered = every_rank(reward, per_fn, rollouts)
+            steps_left = args.steps - step - 1
+            metrics = report.step_metrics(*gathered, G, updates, times, steps_left, run.scheduler)
+            metrics.update(dynamic)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-            report.print_sample(args, step + 1, task.query(tokenizer, rows[0]["question"]),
-                              task.responses(rollouts.texts), reward[0], rows[0]["answer"])
-            zero_std_streak, stop = count_zero_std(zero_std_streak, metrics["frac_zero_std"], args, step + 1)
-            save_if_due(run, task, args, step + 1, stop)  # and before every evaluation: one cut short loses no training
-        except (KeyboardInterrupt, UserError) as e:  # Ctrl-C, or a run that cannot go on: keep what it learned
+            query = task.query(tokenizer, rows[0]["question"])
+            responses = task.responses(rollouts.texts)
+            report.print_sample(args, step + 1, query, responses, reward[0], rows[0]["answer"])
+            zero_std_streak, stop = count_zero_std(
+                zero_std_streak, metrics["frac_zero_std"], args, step + 1
+            )
+            # And before every evaluation: one cut short loses no training.
+            save_if_due(run, task, args, step + 1, stop)
+        except (KeyboardInterrupt, UserError) as e:
+            # Ctrl-C, or a run that cannot go on: keep what it learned.
             checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start, stopped_by=e)
             raise
         evaluate_if_due(run, task, args, step + 1, stop)
@@ -106,13 +149,18 @@ def prompts_per_step(args):
 def decode_rows(args):
     """The rows of this process's generate calls: a training step's (its share of the prompts x G) and an evaluation
     batch's (questions x samples; a last, smaller batch is padded up to it when compiled)."""
-    return [prompts_per_step(args) // distributed.world() * args.num_generations,
-            args.eval_batch_size * args.eval_samples]
+    return [
+        prompts_per_step(args) // distributed.world() * args.num_generations,
+        args.eval_batch_size * args.eval_samples,
+    ]
 
 
 def decode_length(task, tokenizer, model, settings):
     """The KV cache length every decode call of the run fits in: its longest prompt, then max_new_tokens."""
-    return longest_prompt(task, tokenizer, sampling.prompt_limit(model, settings)) + settings.max_new_tokens
+    return (
+        longest_prompt(task, tokenizer, sampling.prompt_limit(model, settings))
+        + settings.max_new_tokens
+    )
 
 
 def longest_prompt(task, tokenizer, limit):
@@ -134,8 +182,12 @@ def every_rank(reward, per_fn, rollouts):
     """The step's rewards [N], per-function rewards and completion lengths and truncation flags [N], gathered from
     every rank (under torchrun), for the logged metrics."""
     gather = distributed.gather
-    return (gather(reward), {name: gather(r) for name, r in per_fn.items()}, gather(rollouts.lengths),
-            gather(rollouts.truncated))
+    return (
+        gather(reward),
+        {name: gather(r) for name, r in per_fn.items()},
+        gather(rollouts.lengths),
+        gather(rollouts.truncated),
+    )
 
 
 def log_step(path, step, args, metrics, reward_names):
@@ -146,18 +198,26 @@ def log_step(path, step, args, metrics, reward_names):
 @dataclass(frozen=True)
 class Objective:
     """Eq. 3's settings: grpo.grpo_loss's keywords."""
+
     epsilon: float
     epsilon_high: float | None  # DAPO's clip-higher; None: epsilon
     beta: float
-    loss_type: str              # grpo | dapo | dr_grpo
-    ratio_level: str            # token | sequence (GSPO)
-    max_tokens: int             # the generation budget: Dr. GRPO's constant
-    delta: float | None         # dual clip: the ratio's cap where the advantage is negative; None: off
+    loss_type: str  # grpo | dapo | dr_grpo
+    ratio_level: str  # token | sequence (GSPO)
+    max_tokens: int  # the generation budget: Dr. GRPO's constant
+    delta: float | None  # dual clip: the ratio's cap where the advantage is negative; None: off
 
     @classmethod
     def of(cls, args):
-        return cls(args.epsilon, args.epsilon_high, args.beta, args.loss_type, args.ratio_level, args.max_new_tokens,
-                   args.delta)
+        return cls(
+            args.epsilon,
+            args.epsilon_high,
+            args.beta,
+            args.loss_type,
+            args.ratio_level,
+            args.max_new_tokens,
+            args.delta,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -167,17 +227,18 @@ class Objective:
 @dataclass
 class Run:
     """What the loop carries from step to step."""
-    model: torch.nn.Module             # π_θ, fp32, on the device
+
+    model: torch.nn.Module  # π_θ, fp32, on the device
     ref_model: torch.nn.Module | None  # π_ref, frozen (None when β = 0)
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
-    scaler: object                     # fp16's GradScaler, else None
+    scaler: object  # fp16's GradScaler, else None
     start_step: int
-    log_path: str                      # OUTPUT_DIR/metrics.jsonl
-    evals: list                        # [(step, {reward name: mean})]
-    peft: object = None                # --lora-rank: the PeftModel around `model` (saves the adapter), else None
-    ddp: object = None                 # under torchrun: DistributedDataParallel around the log-prob forward
+    log_path: str  # OUTPUT_DIR/metrics.jsonl
+    evals: list  # [(step, {reward name: mean})]
+    peft: object = None  # --lora-rank: the PeftModel around `model` (saves the adapter), else None
+    ddp: object = None  # under torchrun: DistributedDataParallel around the log-prob forward
 
 
 def build_run(args, model, tokenizer, resume_dir=None):
@@ -185,14 +246,19 @@ def build_run(args, model, tokenizer, resume_dir=None):
     --resume the checkpoint's weights), π_ref = π_θinit (line 3), gradient checkpointing, torch.compile, FSDP2 or
     DDP under torchrun, AdamW, its LR schedule, fp16's loss scaler; then a resumed run's state and its log."""
     peft_model = None
-    if args.lora_rank:  # π_θ = π_θinit + adapters; π_ref = π_θinit: the same model with its adapters off, no copy
+    # π_θ = π_θinit + adapters; π_ref = π_θinit: the same model with its adapters off, no copy
+    if args.lora_rank:
         peft_model = models.add_lora(model.to(args.device), args, resume_dir)
         model, ref_model = peft_model.get_base_model(), peft_model if args.beta > 0 else None
     else:
-        ref_model = models.reference_model(model, args.beta, sampling.AMP[args.dtype], args.device,
-                                           copy_model=resume_dir is None)
-    if resume_dir is not None and not args.lora_rank and not checkpoint.policy_loaded_from_checkpoint(args,
-                                                                                                     resume_dir):
+        ref_model = models.reference_model(
+            model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None
+        )
+    if (
+        resume_dir is not None
+        and not args.lora_rank
+        and not checkpoint.policy_loaded_from_checkpoint(args, resume_dir)
+    ):
         model = checkpoint.load_policy(resume_dir, model, args)
     model.to(args.device)
     if args.gradient_checkpointing:
@@ -205,22 +271,47 @@ def build_run(args, model, tokenizer, resume_dir=None):
         distributed.shard_model(model)
         if ref_model is not None and ref_model is not model:
             distributed.shard_model(ref_model)
-    ddp = None if args.fsdp else distributed.wrap(model)  # torchrun: DDP (it broadcasts rank 0's weights)
+    # torchrun: DDP (it broadcasts rank 0's weights)
+    ddp = None if args.fsdp else distributed.wrap(model)
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=args.steps * args.num_iterations)
+    scheduler = get_scheduler(
+        args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.steps * args.num_iterations,
+    )
     # fp16 autocast needs loss scaling; bf16 and fp32 do not.
-    scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
+    scaler = (
+        torch.amp.GradScaler("cuda") if args.dtype == "fp16" and args.device == "cuda" else None
+    )
     if resume_dir is None and distributed.world() > 1:
-        torch.manual_seed(args.seed + 1000 * distributed.rank())  # each rank samples its own completions
-    step = 0 if resume_dir is None else checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
+        # each rank samples its own completions
+        torch.manual_seed(args.seed + 1000 * distributed.rank())
+    step = (
+        0
+        if resume_dir is None
+        else checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
+    )
     log_path, evals = report.open_log(args.output_dir, step if resume_dir is not None else None)
-    return Run(model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log_path, evals, peft_model, ddp)
+    return Run(
+        model,
+        ref_model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        scaler,
+        step,
+        log_path,
+        evals,
+        peft_model,
+        ddp,
+    )
 
 
 def build_optimizer(model, lr, weight_decay):
     """AdamW on the fp32 parameters, fused (one kernel over all parameters) where torch has it: CUDA, and CPU."""
-    params = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters only
+    # all of them, or LoRA's adapters only
+    params = [p for p in model.parameters() if p.requires_grad]
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
@@ -231,8 +322,22 @@ def build_optimizer(model, lr, weight_decay):
 # Line 11 and the log-probs it needs.
 
 
-def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, ref_logps, *, objective,
-                  micro_batch_size, max_grad_norm=1.0, amp=None, scaler=None, ddp=None):
+def policy_update(
+    model,
+    optimizer,
+    scheduler,
+    rollouts,
+    advantages,
+    old_logps,
+    ref_logps,
+    *,
+    objective,
+    micro_batch_size,
+    max_grad_norm=1.0,
+    amp=None,
+    scaler=None,
+    ddp=None,
+):
     """One optimizer update of π_θ maximizing eq. 3 on the rollouts: forward + backward over micro-batches of whole
     groups, each loss divided by the whole batch's denominator so the gradients add up to the full batch's; then
     clip, AdamW, the LR schedule. old_logps, ref_logps [N, C]: π_old's (None when μ = 1) and π_ref's (None when
@@ -243,41 +348,71 @@ def policy_update(model, optimizer, scheduler, rollouts, advantages, old_logps, 
     gradients: the average of world x sum_r / denominator is the global loss's gradient), and the gradients are
     all-reduced once, in the last micro-batch's backward."""
     model.train()
-    mask = rollouts.completion_mask                                                # [N, C]
-    normalizer = distributed.all_sum([grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)])[0]
+    mask = rollouts.completion_mask  # [N, C]
+    normalizer = distributed.all_sum(
+        [grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)]
+    )[0]
     logprobs = ddp or functools.partial(sampling.token_logprobs, model)
     lr = scheduler.get_last_lr()[0]
     totals = dict(loss=0.0, tokens=0, kl=0.0, clipped=0, ratio=0.0, entropy=0.0)
-    logps_before = torch.zeros(mask.shape, device=mask.device)                      # [N, C]
+    logps_before = torch.zeros(mask.shape, device=mask.device)  # [N, C]
     optimizer.zero_grad(set_to_none=True)
     batches = micro_batches(mask.shape[0], micro_batch_size)
     for i, rows in enumerate(batches):
         ids, attn, keep = trim(rollouts, rows)
-        no_sync = ddp.no_sync() if ddp is not None and i < len(batches) - 1 else contextlib.nullcontext()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter in the last micro-batch only
+        no_sync = (
+            ddp.no_sync() if ddp is not None and i < len(batches) - 1 else contextlib.nullcontext()
+        )
+        # FSDP2: reduce-scatter in the last micro-batch only
+        if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        with sampling.autocast(ids.device, amp), no_sync:  # DDP: all-reduce in the last micro-batch's backward only
-            logps, entropy = logprobs(ids, attn, keep, rollouts.temperature, entropy=True,
-                                      group_size=rollouts.group_size)  # [n, keep]: with grad, without
+        # DDP: all-reduce in the last micro-batch's backward only
+        with (
+            sampling.autocast(ids.device, amp),
+            no_sync,
+        ):
+            # [n, keep]: with grad, without
+            logps, entropy = logprobs(
+                ids, attn, keep, rollouts.temperature, entropy=True, group_size=rollouts.group_size
+            )
             logps_before[rows, :keep] = logps.detach()
             totals["entropy"] += (entropy * mask[rows, :keep]).sum().item()
             old = None if old_logps is None else old_logps[rows, :keep]
             ref = None if ref_logps is None else ref_logps[rows, :keep]
             stats = {}
-            loss = grpo.grpo_loss(logps, old, ref, advantages[rows], mask[rows, :keep], normalizer=normalizer,
-                                  stats=stats, **dataclasses.asdict(objective))
-            scaled = loss * distributed.world()  # DDP averages over ranks; no division by the number of micro-batches
+            loss = grpo.grpo_loss(
+                logps,
+                old,
+                ref,
+                advantages[rows],
+                mask[rows, :keep],
+                normalizer=normalizer,
+                stats=stats,
+                **dataclasses.asdict(objective),
+            )
+            # DDP averages over ranks; no division by the number of micro-batches
+            scaled = loss * distributed.world()
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         totals["loss"] += loss.item()
         for k in ("tokens", "kl", "clipped", "ratio"):
             totals[k] += stats[k]
     totals = dict(zip(totals, distributed.all_sum(totals.values())))  # every rank's sums
-    grad_norm, skipped = optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"])
-    optimizer.zero_grad(set_to_none=True)  # freed now: no generation or evaluation holds the gradients
+    grad_norm, skipped = optimizer_step(
+        model, optimizer, scheduler, scaler, max_grad_norm, totals["loss"]
+    )
+    # freed now: no generation or evaluation holds the gradients
+    optimizer.zero_grad(set_to_none=True)
     tokens = max(totals["tokens"], 1)
-    return dict(loss=totals["loss"], kl=totals["kl"] / tokens, clip_frac=totals["clipped"] / tokens,
-                ratio=totals["ratio"] / tokens, entropy=totals["entropy"] / tokens, grad_norm=float(grad_norm), lr=lr,
-                skipped=skipped), logps_before
+    return dict(
+        loss=totals["loss"],
+        kl=totals["kl"] / tokens,
+        clip_frac=totals["clipped"] / tokens,
+        ratio=totals["ratio"] / tokens,
+        entropy=totals["entropy"] / tokens,
+        grad_norm=float(grad_norm),
+        lr=lr,
+        skipped=skipped,
+    ), logps_before
 
 
 def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
@@ -287,7 +422,11 @@ def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
     gradient-accumulation-steps groups with spread, or --max-resample extra generate calls have run. Returns the
     kept groups' rows, rollouts, rewards and per-function rewards, and what to log; with no group with spread at
     all, the first call's batch and skipped_no_spread=1 (the loop then makes no update)."""
-    G, want, amp = args.num_generations, args.batch_size * args.gradient_accumulation_steps, sampling.AMP[args.dtype]
+    G, want, amp = (
+        args.num_generations,
+        args.batch_size * args.gradient_accumulation_steps,
+        sampling.AMP[args.dtype],
+    )
     settings, parts, calls = sampling.Sampling.of(args), [(rows, rollouts, reward, per_fn)], 1
 
     def spread(part):  # the groups of a part whose rewards differ
@@ -296,13 +435,23 @@ def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
 
     while sum(len(spread(p)) for p in parts) < want and calls <= args.max_resample:
         more = data.batch_at(task.train, want, args.seed, step, stream=calls)
-        extra = sampling.sample_rollouts(run.model, run.tokenizer, [task.query(run.tokenizer, r["question"])
-                                                                    for r in more], settings, G, amp)
+        extra = sampling.sample_rollouts(
+            run.model,
+            run.tokenizer,
+            [task.query(run.tokenizer, r["question"]) for r in more],
+            settings,
+            G,
+            amp,
+        )
         parts.append((more, extra, *task.score(more, extra.texts, G, extra.lengths)))
         calls += 1
     kept = [(p, g) for p in parts for g in spread(p)][:want]
-    log = dict(dynamic_dropped=sum(len(p[0]) - len(spread(p)) for p in parts), dynamic_calls=calls,
-               dynamic_groups=len(kept), skipped_no_spread=int(not kept))
+    log = dict(
+        dynamic_dropped=sum(len(p[0]) - len(spread(p)) for p in parts),
+        dynamic_calls=calls,
+        dynamic_groups=len(kept),
+        skipped_no_spread=int(not kept),
+    )
     if not kept:
         return rows, rollouts, reward, per_fn, log
     rollouts = sampling.concat_rollouts([sampling.select_groups(p[1], [g]) for p, g in kept])
@@ -317,8 +466,11 @@ def count_zero_std(streak, frac_zero_std, args, done):
     streak = streak + 1 if frac_zero_std == 1 else 0
     stop = 0 < args.stop_when_zero_std <= streak and done < args.steps
     if stop:
-        print(f"stopping after step {done}: {streak} steps in a row had no reward spread in any group "
-              "(--stop-when-zero-std); docs/results.md: what to do then.", flush=True)
+        print(
+            f"stopping after step {done}: {streak} steps in a row had no reward spread in any group "
+            "(--stop-when-zero-std); docs/results.md: what to do then.",
+            flush=True,
+        )
     return streak, stop
 
 
@@ -327,9 +479,11 @@ def count_nonfinite(streak, stats, limit):
     weights, the last good ones (skipped updates change nothing)."""
     streak = streak + 1 if (stats["skipped"] or "").startswith("non-finite") else 0
     if streak >= limit:
-        raise UserError(f"{streak} optimizer updates in a row were skipped ({stats['skipped']}; --max-nonfinite "
-                        f"{limit}). The weights are the last good ones and are saved in the output directory. "
-                        "Check the rewards and the data, lower --lr, or use --dtype bf16/fp32 instead of fp16.")
+        raise UserError(
+            f"{streak} optimizer updates in a row were skipped ({stats['skipped']}; --max-nonfinite "
+            f"{limit}). The weights are the last good ones and are saved in the output directory. "
+            "Check the rewards and the data, lower --lr, or use --dtype bf16/fp32 instead of fp16."
+        )
     return streak
 
 
@@ -341,7 +495,8 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the next policy_update zeroes the gradients first
+    # the next policy_update zeroes the gradients first
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         if scaler is not None:
             scaler.update()
         if not math.isfinite(loss):
@@ -371,8 +526,14 @@ def frozen_logps(model, rollouts, micro_batch_size, amp=None, shared_prompt=True
     for rows in micro_batches(N, micro_batch_size):
         ids, attn, keep = trim(rollouts, rows)
         with sampling.autocast(ids.device, amp), adapters_off():
-            out[rows, :keep] = sampling.token_logprobs(net, ids, attn, keep, rollouts.temperature,
-                                                       group_size=rollouts.group_size if shared_prompt else 1)
+            out[rows, :keep] = sampling.token_logprobs(
+                net,
+                ids,
+                attn,
+                keep,
+                rollouts.temperature,
+                group_size=rollouts.group_size if shared_prompt else 1,
+            )
     net.train(was_training)
     return out
 
@@ -386,11 +547,15 @@ def trim(rollouts, rows):
     """One micro-batch's ids and attention mask without the columns none of its rows needs: leading prompt padding
     (position ids come from the mask, so dropping all-pad columns changes nothing) and the completion columns after
     its longest completion. Returns (ids, mask, completion columns kept)."""
-    ids, attn, mask = rollouts.input_ids[rows], rollouts.attention_mask[rows], rollouts.completion_mask[rows]
+    ids, attn, mask = (
+        rollouts.input_ids[rows],
+        rollouts.attention_mask[rows],
+        rollouts.completion_mask[rows],
+    )
     P = rollouts.prompt_length
     first = int(attn[:, :P].any(0).nonzero()[0]) if attn[:, :P].any() else P - 1
     keep = max(1, int(mask.sum(1).max()))
-    return ids[:, first:P + keep], attn[:, first:P + keep], keep
+    return ids[:, first : P + keep], attn[:, first : P + keep], keep
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -404,30 +569,45 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
     Runs under its own RNG seeded with `seed`, so it neither perturbs nor depends on the training RNG stream. Under
     torchrun each rank takes every world-th question (its RNG seeded with seed + rank) and the tables are gathered."""
     every, chunks, t0 = task.eval[:limit], [], time.time()
-    rows = every[distributed.rank()::distributed.world()]
+    rows = every[distributed.rank() :: distributed.world()]
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+    with torch.random.fork_rng(
+        devices=[torch.cuda.current_device()] if device.type == "cuda" else []
+    ):
         torch.manual_seed(seed + distributed.rank())
-        for i in range(0, -(-len(every) // distributed.world()), batch_size):  # as many calls on every rank
-            chunk = rows[i: i + batch_size]
+        # as many calls on every rank
+        for i in range(0, -(-len(every) // distributed.world()), batch_size):
+            chunk = rows[i : i + batch_size]
             if not chunk and not sampling.is_sharded(model):
                 break
-            prompts = [task.query(tokenizer, row["question"]) for row in chunk or every[:1]]  # FSDP2: join in
+            # FSDP2: join in
+            prompts = [task.query(tokenizer, row["question"]) for row in chunk or every[:1]]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
             if chunk:
                 total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
                 chunks.append({**per_fn, "reward": total})
             if len(rows) > batch_size:  # a progress line per generate call
-                print(f"  eval: {i + len(chunk)}/{len(rows)} questions, {report.format_seconds(time.time() - t0)}",
-                      flush=True)
-    chunks = [c for part in distributed.gather_objects([{k: v.cpu() for k, v in c.items()} for c in chunks])
-              for c in part]  # every rank's
+                print(
+                    f"  eval: {i + len(chunk)}/{len(rows)} questions, {report.format_seconds(time.time() - t0)}",
+                    flush=True,
+                )
+    # every rank's
+    chunks = [
+        c
+        for part in distributed.gather_objects([{k: v.cpu() for k, v in c.items()} for c in chunks])
+        for c in part
+    ]
     if not chunks:
         return {}  # no questions
-    table = {name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]}  # [Q, k]
+    # [Q, k]
+    table = {
+        name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]
+    }
     result = {name: r.mean().item() for name, r in table.items()}
     if samples > 1:
-        result.update({f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()})
+        result.update(
+            {f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()}
+        )
     return result
 
 
@@ -435,7 +615,11 @@ def eval_due(args, task, step, last=False):
     """Evaluations run before training, every --eval-every steps and at the end (the last step, or `last`: a step
     that ends the run early); --eval-every -1: never."""
     periodic = args.eval_every > 0 and step % args.eval_every == 0
-    return args.eval_every >= 0 and len(task.eval) > 0 and (step in (0, args.steps) or last or periodic)
+    return (
+        args.eval_every >= 0
+        and len(task.eval) > 0
+        and (step in (0, args.steps) or last or periodic)
+    )
 
 
 def evaluate_if_due(run, task, args, step, last=False):
@@ -444,17 +628,31 @@ def evaluate_if_due(run, task, args, step, last=False):
         return
     result = evaluate_as_flagged(run.model, run.tokenizer, task, args)
     run.evals.append((step, result))
-    print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+    print(
+        f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True
+    )
     if distributed.is_main():
-        report.write_log(run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
+        report.write_log(
+            run.log_path, {"step": step, **{f"eval/{k}": v for k, v in result.items()}}
+        )
 
 
 def evaluate_as_flagged(model, tokenizer, task, args):
     """evaluate() with the --eval-* flags."""
-    settings = sampling.Sampling(args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens,
-                                 args.max_prompt_length)
-    return evaluate(model, tokenizer, task, settings, args.eval_samples, args.eval_limit, args.eval_batch_size,
-                    args.seed if args.eval_seed is None else args.eval_seed, sampling.AMP[args.dtype])
+    settings = sampling.Sampling(
+        args.eval_temperature, args.top_k, args.top_p, args.max_new_tokens, args.max_prompt_length
+    )
+    return evaluate(
+        model,
+        tokenizer,
+        task,
+        settings,
+        args.eval_samples,
+        args.eval_limit,
+        args.eval_batch_size,
+        args.seed if args.eval_seed is None else args.eval_seed,
+        sampling.AMP[args.dtype],
+    )
 
 
 def save_if_due(run, task, args, done, last=False):
@@ -475,18 +673,29 @@ def setup(args, resume_dir=None):
     initial weights."""
     set_seed(args.seed)
     if args.demo:
-        model, tokenizer, task = demo.setup(args.seed, args.demo_warmup_steps, args.demo_target_accuracy)
+        model, tokenizer, task = demo.setup(
+            args.seed, args.demo_warmup_steps, args.demo_target_accuracy
+        )
     else:
         task = data.task_from_flags(args)  # GSM8K, or your JSONL with --prompt-field/--answer-field
-    named = [(r.name, r.fn) for r in task.rewards]  # the task's own rewards, which --reward-fn replaces
-    task = dataclasses.replace(task, response_prefix=args.response_prefix, rewards=rewards.from_flags(
-        args, named, task.field_names))
+    # the task's own rewards, which --reward-fn replaces
+    named = [(r.name, r.fn) for r in task.rewards]
+    task = dataclasses.replace(
+        task,
+        response_prefix=args.response_prefix,
+        rewards=rewards.from_flags(args, named, task.field_names),
+    )
     if not args.eval_only and args.steps > 0 and len(task.train) < prompts_per_step(args):
-        raise UserError(f"a step takes {prompts_per_step(args)} prompts (batch-size x gradient-accumulation-steps"
-                        + (" x processes" if distributed.world() > 1 else "") + f"), but the training data has "
-                        f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows.")
+        raise UserError(
+            f"a step takes {prompts_per_step(args)} prompts (batch-size x gradient-accumulation-steps"
+            + (" x processes" if distributed.world() > 1 else "")
+            + f"), but the training data has "
+            f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows."
+        )
     if not args.demo:
-        name = resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
+        name = (
+            resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
+        )
         model, tokenizer = models.load_model(name, args.trust_remote_code)
     return task, model, tokenizer
 
@@ -497,39 +706,56 @@ def main(argv=None):
     try:
         args = config.parse_args(argv)
         distributed.init(args.device)  # under torchrun: join the process group; alone, nothing
-        args.world_size = distributed.world()  # saved with a checkpoint: --resume must use as many processes
+        # saved with a checkpoint: --resume must use as many processes
+        args.world_size = distributed.world()
         if args.world_size > 1 and args.dynamic_sampling:
-            raise UserError("--dynamic-sampling does not run under torchrun yet: ranks would refill their batches "
-                            "with different numbers of generate calls and micro-batches. Run it in one process.")
+            raise UserError(
+                "--dynamic-sampling does not run under torchrun yet: ranks would refill their batches "
+                "with different numbers of generate calls and micro-batches. Run it in one process."
+            )
         if args.fsdp and args.world_size == 1:
-            raise UserError("--fsdp shards the model over processes: start it with torchrun --nproc-per-node N.")
+            raise UserError(
+                "--fsdp shards the model over processes: start it with torchrun --nproc-per-node N."
+            )
         if args.fsdp and (args.resume or args.lora_rank):
-            raise UserError("--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
-                            "state) nor train LoRA adapters; use DDP (no --fsdp) for those.")
+            raise UserError(
+                "--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
+                "state) nor train LoRA adapters; use DDP (no --fsdp) for those."
+            )
         if args.plot is not None:
             if not os.path.isfile(os.path.join(args.plot, "metrics.jsonl")):
-                raise UserError(f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir.")
+                raise UserError(
+                    f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir."
+                )
             return report.curves(args.plot)
-        resume_dir = checkpoint.find(args.output_dir) if args.resume and not args.eval_only else None
+        resume_dir = (
+            checkpoint.find(args.output_dir) if args.resume and not args.eval_only else None
+        )
         if args.resume and not args.eval_only and resume_dir is None:
-            raise UserError(f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "
-                            "with training_state.pt). Pass the --output-dir of the run to continue, or drop --resume.")
+            raise UserError(
+                f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "
+                "with training_state.pt). Pass the --output-dir of the run to continue, or drop --resume."
+            )
         task, model, tokenizer = setup(args, resume_dir)
         if not args.eval_only:
             return train(args, task, model, tokenizer, resume_dir)
         result = evaluate_as_flagged(model.to(args.device), tokenizer, task, args)
-        print(f"eval on {len(task.eval[: args.eval_limit])} questions x {args.eval_samples} samples: "
-              + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        print(
+            f"eval on {len(task.eval[: args.eval_limit])} questions x {args.eval_samples} samples: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+        )
         return result
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except torch.cuda.OutOfMemoryError:
-        print("error: CUDA ran out of memory. Lower the memory per forward/backward with --micro-batch-size (in "
-              "completions, a multiple of --num-generations; e.g. the group size alone), turn on "
-              "--gradient-checkpointing, or lower --max-new-tokens / --num-generations / --eval-batch-size. "
-              "The last checkpoint (if any) is in the output directory; add --resume to continue from it.",
-              file=sys.stderr)
+        print(
+            "error: CUDA ran out of memory. Lower the memory per forward/backward with --micro-batch-size (in "
+            "completions, a multiple of --num-generations; e.g. the group size alone), turn on "
+            "--gradient-checkpointing, or lower --max-new-tokens / --num-generations / --eval-batch-size. "
+            "The last checkpoint (if any) is in the output directory; add --resume to continue from it.",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
 
 
