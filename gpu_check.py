@@ -44,6 +44,7 @@ import bench
 import checkpoint
 import config
 import data
+import decode
 import demo
 import models
 import sampling
@@ -56,8 +57,8 @@ GIB = 2**30
 # (outside torch's allocator, so not in max_memory_reserved).
 CARDS = {"40 GB": 40536 * 2**20, "80 GB": 81559 * 2**20}
 CUDA_CONTEXT = 600 * 2**20
-# The timed phases: (module, attribute) -> phase name. The loop looks each up at call time (train.policy_update once,
-# when train.train binds it with functools.partial: so the patches go in before train.train is called).
+# The timed phases: (module, attribute) -> phase name. The loop looks each up at call time, so a patch of the module's
+# attribute is what it calls.
 PHASES = {
     (sampling, "sample_rollouts"): "generate",
     (train, "frozen_logps"): "reference",
@@ -357,10 +358,10 @@ def measure(fn, meter):
 
 
 def decode_check(model, tokenizer, task, args, opts, meter):
-    """ms per new token of sampling.generate at opts.rows rows (rows / G prompts of the kit, built as the loop builds
+    """ms per new token of decode.generate at opts.rows rows (rows / G prompts of the kit, built as the loop builds
     them), EOS never drawn, eager then compiled (sampling.compile_model + plan_decode): a warm-up call, then a timed
-    one, whose seconds over max_new are the ms per token (its one prefill included). generate runs under autocast
-    itself (amp)."""
+    one, whose seconds over max_new are the ms per token (its one prefill included). generate runs
+    under the run's autocast (amp), as sample_rollouts runs it."""
     G, max_new = args.num_generations, opts.max_new_tokens or args.max_new_tokens
     if opts.rows % G or opts.rows // G > len(task.train):
         raise config.UserError(
@@ -372,18 +373,14 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
     # an EOS after max_new tokens: never
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
-    generate = functools.partial(
-        sampling.generate,
-        model,
-        ids,
-        mask,
-        settings,
-        G,
-        sampling.eos_token_ids(model, tokenizer),
-        tokenizer.pad_token_id,
-        sampling.AMP[args.dtype],
-        lengths=lengths,
-    )
+    eos, amp = sampling.eos_token_ids(model, tokenizer), sampling.AMP[args.dtype]
+
+    def generate():  # as sample_rollouts runs it: under the run's autocast
+        with sampling.autocast(ids.device, amp):
+            return decode.generate(
+                model, ids, mask, settings, G, eos, tokenizer.pad_token_id, lengths=lengths
+            )
+
     result = dict(
         rows=opts.rows,
         prompts=len(prompts),
@@ -391,7 +388,7 @@ def decode_check(model, tokenizer, task, args, opts, meter):
         new_tokens=max_new,
         cache_length=ids.shape[1] + max_new,
     )
-    sampling.COMPILED.pop(id(model), None)  # eager first, also after a run with --compile
+    decode.COMPILED.pop(id(model), None)  # eager first, also after a run with --compile
     model.zero_grad(set_to_none=True)  # the last update's gradients: not needed to decode
     measure(generate, meter)
     seconds, out, result["eager_peak_bytes"] = measure(generate, meter)
@@ -401,7 +398,7 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     result["eager_ms_per_token"] = 1000 * seconds / max_new
     if not opts.skip_compile:
         sampling.compile_model(model, opts.compile_backend)
-        sampling.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
+        decode.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
         result["compile_seconds"] = measure(generate, meter)[0]  # the warm-up call compiles
         seconds, _, result["compiled_peak_bytes"] = measure(generate, meter)
         result["compiled_ms_per_token"], result["compile_backend"] = (
@@ -430,7 +427,7 @@ def copy_bandwidth(device, nbytes, repeats=5):
     return 2 * nbytes / best
 
 
-def decode_floor(model, decode, amp, bandwidth):
+def decode_floor(model, timing, amp, bandwidth):
     """The bytes one decode step must read, in the compute dtype: every nn.Linear weight once (a tied lm-head counts
     once, as a Linear) and the whole static KV cache (its masked columns too); over the bandwidth, ms per token."""
     size = torch.empty((), dtype=amp or torch.float32).element_size()
@@ -445,8 +442,8 @@ def decode_floor(model, decode, amp, bandwidth):
     weights = size * sum(linear.values())
     kv = (
         size
-        * decode["rows"]
-        * decode["cache_length"]
+        * timing["rows"]
+        * timing["cache_length"]
         * c.num_hidden_layers
         * 2
         * c.num_key_value_heads
@@ -454,9 +451,9 @@ def decode_floor(model, decode, amp, bandwidth):
     )
     floor = 1000 * (weights + kv) / bandwidth
     ratios = {
-        f"{k}_over_floor": decode[f"{k}_ms_per_token"] / floor
+        f"{k}_over_floor": timing[f"{k}_ms_per_token"] / floor
         for k in ("eager", "compiled")
-        if f"{k}_ms_per_token" in decode
+        if f"{k}_ms_per_token" in timing
     }
     return dict(
         weight_bytes=weights,

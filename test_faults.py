@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM
 
 import checkpoint
 import config
+import decode
 import demo
 import grpo
 import models
 import rewards
-import sampling
 import train
 from conftest import (
     CPU,
@@ -487,7 +487,7 @@ def test_a_reward_that_is_not_finite_stops_the_run_naming_the_function_and_saves
 
 @pytest.mark.parametrize("case", ["eos_first", "no_eos", "all_groups_zero_std"])
 def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case):
-    real_generate = sampling.generate
+    real_generate = decode.generate
 
     def degenerate(model, prompt_ids, prompt_mask, settings, *a, **kw):
         # [B*G, C] completions
@@ -499,7 +499,7 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
             out = torch.full((out.shape[0], settings.max_new_tokens), 10)
         return out
 
-    monkeypatch.setattr(sampling, "generate", degenerate)
+    monkeypatch.setattr(decode, "generate", degenerate)
     reward = (lambda c, a: [1.0] * len(c)) if case == "all_groups_zero_std" else varied_reward
     run_tiny(tmp_path / "run", "--steps", "2", "--num-iterations", "2", reward=reward)
     rows = read_metrics(tmp_path / "run")

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 import checkpoint
 import config
 import data
+import decode
 import demo
 import grpo
 import models
@@ -272,7 +273,7 @@ def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fract
     tmp_path, monkeypatch, flag
 ):
     masks, real_loss = [], grpo.grpo_loss
-    monkeypatch.setattr(sampling, "generate", half_truncated(sampling.generate))
+    monkeypatch.setattr(decode, "generate", half_truncated(decode.generate))
     monkeypatch.setattr(
         grpo, "grpo_loss", lambda *a, **kw: masks.append(a[4].clone()) or real_loss(*a, **kw)
     )
@@ -286,9 +287,9 @@ def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fract
 
 
 def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
-    real_generate = sampling.generate
+    real_generate = decode.generate
     monkeypatch.setattr(
-        sampling, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1]
+        decode, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1]
     )
     run_tiny(tmp_path / "run", "--mask-truncated", "--seed", "42")
     (row,) = read_metrics(tmp_path / "run")

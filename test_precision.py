@@ -21,15 +21,14 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 import config  # noqa: E402
+import decode  # noqa: E402
 import demo  # noqa: E402
 import grpo  # noqa: E402
 import models  # noqa: E402
 import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
-
-# noqa: E402
-from conftest import (
+from conftest import (  # noqa: E402
     read_metrics,
     run_tiny,
     tiny_argv,
@@ -79,7 +78,7 @@ def test_greedy_completions_under_autocast_get_the_fp32_rewards(
         model = copy.deepcopy(model)
         sampling.compile_model(model, "aot_eager")
     if path == "generate":  # transformers' generate(), where decode() does not run (FSDP)
-        monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
+        monkeypatch.setattr(decode, "uses_lean_decode", lambda model, settings: False)
     beams = 4 if path == "beams" else 1
     group = 2 if path == "beams" else 1
     expected = greedy_rollouts(model, tokenizer, task, None, beams, group)
@@ -101,9 +100,7 @@ def test_decode_log_probs_under_autocast_are_within_rounding_of_fp32(dtype):
     mask = torch.ones_like(prompts)
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=10)
     with sampling.autocast("cpu", LOW[dtype]):
-        completions, drawn = sampling.decode(
-            model, prompts, mask, settings, 4, [demo.EOS], demo.PAD
-        )
+        completions, drawn = decode.decode(model, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
     ids = torch.cat([prompts.repeat_interleave(4, 0), completions], dim=1)
     keep = grpo.completion_mask(completions, [demo.EOS])
     attention = torch.cat([mask.repeat_interleave(4, 0), keep], dim=1)
@@ -114,7 +111,7 @@ def test_decode_log_probs_under_autocast_are_within_rounding_of_fp32(dtype):
 
 def test_the_kv_cache_is_held_in_the_compute_dtype():
     model = demo.tiny_llama(97, 0).eval()
-    cache = sampling.KVCache(model.config, 16, torch.bfloat16)
+    cache = decode.KVCache(model.config, 16, torch.bfloat16)
     with torch.no_grad(), sampling.autocast("cpu", torch.bfloat16):
         model(input_ids=torch.randint(2, 97, (2, 5)), past_key_values=cache, use_cache=True)
     assert (
@@ -138,14 +135,14 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
     prompts, mask = torch.randint(2, 26, (3, 4)), torch.ones(3, 4, dtype=torch.long)
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=6)
 
-    def decode(net):
+    def decode_with(net):
         torch.manual_seed(1)
         with sampling.autocast("cpu", torch.bfloat16):
-            return sampling.decode(net, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
+            return decode.decode(net, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
 
-    eager = decode(model)
-    twin, pairs = sampling.decode_twin(model, torch.bfloat16)
-    by_twin = decode(twin)
+    eager = decode_with(model)
+    twin, pairs = decode.decode_twin(model, torch.bfloat16)
+    by_twin = decode_with(twin)
     assert torch.equal(by_twin[0], eager[0]) and torch.equal(by_twin[1], eager[1])
     assert len(pairs) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the (tied) lm-head
     assert {low.dtype for low, _ in pairs} == {torch.bfloat16}
@@ -153,13 +150,13 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
     assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight
 
     sampling.compile_model(model, "aot_eager")
-    compiled = decode(model)
+    compiled = decode_with(model)
     assert torch.equal(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=0.1)
-    twin = sampling.COMPILED[id(model)].steps[torch.bfloat16][0]
+    twin = decode.COMPILED[id(model)].steps[torch.bfloat16][0]
     with torch.no_grad():  # an optimizer step: the next decode call copies the new weights in
         model.lm_head.weight.add_(1.0)
-    decode(model)
+    decode_with(model)
     assert torch.equal(twin.lm_head.weight, model.lm_head.weight.detach().bfloat16())
 
 
@@ -197,7 +194,7 @@ def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_on
         "--eval-samples",
         "2",
     )
-    (compiled,) = [c for c in sampling.COMPILED.values() if c.rows == (6, 16)]
+    (compiled,) = [c for c in decode.COMPILED.values() if c.rows == (6, 16)]
     assert sorted(compiled.caches) == [
         (6, compiled.length, torch.bfloat16),
         (16, compiled.length, torch.bfloat16),
@@ -481,10 +478,10 @@ def test_cuda_compiled_decode_with_cuda_graphs_equals_the_eager_decode(sure_mode
     )
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6)
     with sampling.autocast("cuda", torch.bfloat16):
-        eager = sampling.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
+        eager = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
         sampling.compile_model(model)
         for _ in range(3):  # compiles, records the graph, replays it
-            compiled = sampling.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
+            compiled = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
     assert torch.equal(compiled, eager)
 
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import decode
 import demo
 import grpo
 import sampling
@@ -240,7 +241,7 @@ def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefil
     model.model.embed_tokens.register_forward_pre_hook(
         lambda m, args: batches.append(tuple(args[0].shape))
     )
-    ours = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    ours = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert batches[0] == (4, 8)  # the B prompts once, not B*G rows
     assert batches[1] == (12, 1)
     hf = model.generate(
@@ -265,7 +266,7 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
         lambda m, args: batches.append(args[0].shape[0])
     )
     torch.manual_seed(0)
-    out = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD, lengths=lengths)
+    out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD, lengths=lengths)
     # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS after it.
     assert batches == [2, 5, 4, 3, 3, 2, 2, 2]
     assert out.shape == (6, 8)
@@ -302,7 +303,7 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
         eos_token_id=demo.EOS,
         pad_token_id=demo.PAD,
     )
-    ours = sampling.generate(
+    ours = decode.generate(
         model,
         ids,
         mask,
@@ -327,7 +328,7 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
     ids, mask = left_padded_prompts([7, 4, 2], 97)
     settings = sampling.Sampling(temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=40)
     torch.manual_seed(0)
-    completions, drawn = sampling.decode(model, ids, mask, settings, 4, [demo.EOS], demo.PAD)
+    completions, drawn = decode.decode(model, ids, mask, settings, 4, [demo.EOS], demo.PAD)
     completion_mask = grpo.completion_mask(completions, [demo.EOS])
     # rows of several lengths: some left the batch early
     assert len(set(completion_mask.sum(1).tolist())) > 2
@@ -353,7 +354,7 @@ def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_
     # outside the survivors has probability 0 and fails the test by itself.
     model, T, k, p, N = small_llama(), 0.5, 4, 0.8, 6000
     ids, mask = left_padded_prompts([5], 97)
-    warp = sampling.TemperatureTopKTopP(T, k, p)
+    warp = decode.TemperatureTopKTopP(T, k, p)
     with torch.no_grad():
         first = warp(None, model(input_ids=ids, attention_mask=mask).logits[:, -1]).softmax(-1)[0]
         exact = {}
@@ -374,11 +375,9 @@ def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_
     # a distribution with spread, not one token
     assert 6 <= len(exact) <= 16 and max(exact.values()) < 0.5
     if path == "generate":
-        monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
+        monkeypatch.setattr(decode, "uses_lean_decode", lambda model, settings: False)
     torch.manual_seed(0)
-    out = sampling.generate(
-        model, ids, mask, sampling.Sampling(T, k, p, 2), N, [demo.EOS], demo.PAD
-    )
+    out = decode.generate(model, ids, mask, sampling.Sampling(T, k, p, 2), N, [demo.EOS], demo.PAD)
     counts = collections.Counter(
         tuple(row[:1]) if row[0] == demo.EOS else tuple(row) for row in out.tolist()
     )
@@ -435,12 +434,12 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
 
     # transformers' generate(), where decode() does not run (beam search, FSDP)
     if path == "generate":
-        monkeypatch.setattr(sampling, "lean", lambda model, settings: False)
+        monkeypatch.setattr(decode, "uses_lean_decode", lambda model, settings: False)
     monkeypatch.setattr(type(polluted), "_get_logits_processor", record)
     out = {}
     for name, model in (("clean", clean), ("polluted", polluted)):
         torch.manual_seed(0)
-        out[name] = sampling.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+        out[name] = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     # same seed, same samples: the checkpoint's settings unused
     assert torch.equal(out["clean"], out["polluted"])
     assert len({tuple(row) for row in out["clean"].tolist()}) > 1
@@ -449,7 +448,7 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
     assert len(used) == (2 if path == "generate" else 0)
     # the only processor: ours, with the flags' values (no repetition penalty, min-p, ...)
     for processors in used:
-        assert [type(p) for p in processors] == [sampling.TemperatureTopKTopP]
+        assert [type(p) for p in processors] == [decode.TemperatureTopKTopP]
         assert (processors[0].temperature, processors[0].top_k, processors[0].top_p) == (
             0.7,
             20,
@@ -465,7 +464,7 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
 def test_one_processor_equals_hf_temperature_then_top_k_then_top_p_on_random_logits(top_k, top_p):
     scores = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 3
     scores[0, :10] = float("-inf")  # as after min_new_tokens' EOS ban
-    ours = sampling.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
+    ours = decode.TemperatureTopKTopP(0.7, top_k, top_p)(None, scores)
     # same survivors, same logits: same probabilities
     assert torch.equal(ours, hf_warpers(scores, 0.7, top_k, top_p))
 
@@ -480,7 +479,7 @@ def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
     # result depends on torch.sort's unstable order of equal logits).
     scores = torch.tensor([[5.0, 4.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2, 1)
     scores[1] = scores[1].flip(0)  # the same logits in reverse vocabulary order
-    ours = sampling.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
+    ours = decode.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
     assert torch.equal(ours, hf_warpers(scores, 1.0, 3, top_p))
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == survivors
     assert torch.equal(ours[0][survivors], scores[0][survivors])

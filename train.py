@@ -27,6 +27,7 @@ from transformers import get_scheduler, set_seed
 import checkpoint
 import config
 import data
+import decode
 import demo
 import distributed
 import grpo
@@ -51,7 +52,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
     if args.compile:
         # The compiled decode's shapes, fixed for the run: at most two graphs and two KV caches.
         length = decode_length(task, tokenizer, model, settings)
-        sampling.plan_decode(model, decode_rows(args), length)
+        decode.plan_decode(model, decode_rows(args), length)
     report.print_header(args, model)
     # Before training (or the evaluation a crash cut short).
     evaluate_if_due(run, task, args, run.start_step)
@@ -578,7 +579,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
         # as many calls on every rank
         for i in range(0, -(-len(every) // distributed.world()), batch_size):
             chunk = rows[i : i + batch_size]
-            if not chunk and not sampling.is_sharded(model):
+            if not chunk and not decode.is_sharded(model):
                 break
             # FSDP2: join in
             prompts = [task.query(tokenizer, row["question"]) for row in chunk or every[:1]]

@@ -1,0 +1,406 @@
+"""The decode engine behind sampling.sample_rollouts: G completions of each prompt, fast.
+
+decode      a short loop over the model's forward: a static KV cache written in place (KVCache), each prompt
+            prefilled once and its cache copied to its G rows, tokens drawn among the top-k / top-p
+            survivors by one uniform per row, finished rows leaving the batch
+generate    decode() where it can run, else transformers' generate() (beam search, FSDP2)
+--compile   the decode step compiled for a few planned shapes (plan_decode), reading a twin of the model
+            whose Linear weights are already in the compute dtype (decode_twin)
+"""
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import inspect
+import itertools
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
+
+
+def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
+    """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the longest. decode()
+    where uses_lean_decode() allows; otherwise one generate() call (num_return_sequences=G, or the G best of K
+    beams). In the autocast the caller set up, if any (sampling.sample_rollouts: the run's compute dtype)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        if uses_lean_decode(model, settings):
+            out = decode(
+                model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths
+            )[0]
+        else:
+            if lengths is not None:
+                raise ValueError(
+                    "forced completion lengths are decode()'s (bench.py); this model runs generate()"
+                )
+            beams = settings.num_beams > 1
+            # 0: greedy
+            processors = LogitsProcessorList(
+                [TemperatureTopKTopP(settings.temperature, settings.top_k, settings.top_p)]
+                if settings.temperature > 0 and not beams
+                else []
+            )
+            with flags_only(model):
+                out = model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    logits_processor=processors,
+                    generation_config=generation_config(settings, eos_ids, pad_id, group_size),
+                    synced_gpus=is_sharded(model),
+                )[:, prompt_ids.shape[1] :]
+    model.train(was_training)
+    return out
+
+
+def uses_lean_decode(model, settings):
+    """Whether decode() runs this model: sampling or greedy (beam search stays with generate()), whole weights (under
+    FSDP2 generate() keeps the processes in lockstep), and a model transformers can run with a static cache."""
+    return (
+        settings.num_beams == 1
+        and not is_sharded(model)
+        and getattr(model, "_can_compile_fullgraph", False)
+    )
+
+
+@torch.no_grad()
+def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
+    """The lean decode path, a short loop over the model's forward in place of generate(): ([B*G, C] completions,
+    pad after EOS, C <= max_new_tokens the longest; [B*G, C] the log-prob each token was drawn with, 0 after EOS).
+      - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never grown by
+        concatenation;
+      - each prompt is prefilled once, and its cache copied to its G rows;
+      - tokens are drawn among the top-k / top-p survivors only (sample_tokens);
+      - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished rows cost nothing.
+        Compiled (compile_model), shapes stay fixed instead: the rows are padded to a planned count (plan_decode),
+        and finished rows run on, writing pad, until all are done.
+    lengths: bench.py's forced completion lengths, [B*G]: row i's EOS is its lengths[i]-th token and never comes
+    earlier (a length over max_new_tokens: no EOS at all). None in training."""
+    (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
+    n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
+    if compiled is None:
+        net, step, R, L = model, functools.partial(_decode_step, model), n, P + C
+    else:
+        net, step = compiled_decoder(model, dtype)
+        R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
+    # Every completion column is 1 from the start: causal masking hides the positions not yet written.
+    mask = torch.cat(
+        [prompt_mask, prompt_mask.new_ones(B, C), prompt_mask.new_zeros(B, L - P - C)], dim=1
+    )
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate() has them
+    prefill = KVCache(model.config, L, dtype)
+    keep = (
+        {"logits_to_keep": 1}
+        if "logits_to_keep" in inspect.signature(net.forward).parameters
+        else {}
+    )
+    logits = net(
+        input_ids=prompt_ids,
+        attention_mask=mask[:, :P],
+        position_ids=positions,
+        past_key_values=prefill,
+        use_cache=True,
+        **keep,
+    ).logits[:, -1]  # [B, V]: each prompt once
+    group = torch.arange(B, device=device).repeat_interleave(G)  # [B*G]: each row's prompt
+    group = torch.cat([group, group.new_zeros(R - n)])  # [R]: padding rows copy row 0
+    cache = _grouped_cache(net, prefill, group, None if compiled is None else compiled.caches)
+    logits, mask, position = logits[group], mask[group], positions[group, -1:] + 1
+    completions = torch.full((R, C), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(R, C, device=device)
+    rows = torch.arange(R, device=device)  # the rows still in the batch
+    done = torch.arange(R, device=device) >= n  # compiled: rows past their EOS (padding: all)
+    eos = torch.tensor(eos_ids, device=device)
+    for t in range(C):
+        if lengths is not None:  # bench.py: EOS where it says
+            logits[:, eos] = float("-inf")
+        # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the same samples.
+        uniforms = torch.cat(
+            [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
+        )
+        token, logp = sample_tokens(logits, settings, uniforms[rows])
+        if lengths is not None:
+            forced = torch.cat([lengths, lengths.new_zeros(R - n)])
+            token = torch.where(forced[rows] == t + 1, eos[0], token)
+        completions[rows, t] = token.masked_fill(done, pad_id)
+        logps[rows, t] = logp.masked_fill(done, 0.0)
+        ended = torch.isin(token, eos)
+        if compiled is not None:
+            done |= ended
+        elif ended.any():  # they leave the batch
+            stay = (~ended).nonzero().squeeze(1)
+            rows, token, mask, position, done = (
+                rows[stay],
+                token[stay],
+                mask[stay],
+                position[stay],
+                done[stay],
+            )
+            cache.reorder_cache(stay)
+        if t == C - 1 or rows.numel() == 0 or bool(done.all()):
+            break
+        logits = step(token[:, None], mask, position, cache)
+        position = position + 1
+    return completions[:n, : t + 1], logps[:n, : t + 1]
+
+
+def sample_tokens(logits, settings, uniforms=None):
+    """One token per row of logits [n, V], drawn as settings say, and its log-prob under the distribution it was drawn
+    from: ([n] ids, [n] fp32 log-probs). Temperature, then top-k and top-p (top_k_then_top_p), then one uniform per row
+    ([n, 1] in [0, 1), drawn here if not given) through the survivors' cumulative distribution (inverse-CDF
+    sampling): no multinomial over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
+    if settings.temperature == 0:
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    values, indices = top_k_then_top_p(
+        logits.float() / settings.temperature, settings.top_k, settings.top_p
+    )
+    logp = values.log_softmax(dim=-1)  # [n, m]
+    cdf = logp.exp().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) if uniforms is None else uniforms
+    u = u * cdf[:, -1:]  # in [0, total): never past the end
+    # [n, 1]: first cdf > u (p > 0)
+    choice = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)
+    token = choice if indices is None else indices.gather(-1, choice)
+    return token.squeeze(-1), logp.gather(-1, choice).squeeze(-1)
+
+
+def top_k_then_top_p(scores, top_k, top_p):
+    """The tokens sampling may draw after top-k, then top-p (transformers' TopKLogitsWarper and TopPLogitsWarper, in
+    that order), from tempered scores [n, V], without sorting the whole vocabulary when top-k is on: (values [n, m],
+    indices [n, m]), values -inf where top-p dropped a survivor; indices None when nothing is cut (m = V, as given)."""
+    V = scores.shape[-1]
+    if top_k <= 0 and top_p >= 1.0:
+        return scores, None
+    k = min(top_k, V) if top_k > 0 else V
+    values, indices = scores.topk(k, dim=-1)  # [n, k], descending
+    kth = values[:, -1:]
+    # HF keeps every token tied with the k-th logit: widen to them
+    tied = int((scores >= kth).sum(-1).max())
+    if tied > k:
+        values, indices = scores.topk(tied, dim=-1)
+        values = values.masked_fill(values < kth, float("-inf"))
+    if top_p < 1.0:
+        # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose cumulative
+        # probability stays <= 1 - top_p, always keep the most likely one.
+        values, indices = values.flip(-1), indices.flip(-1)  # ascending
+        cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False
+        values = values.masked_fill(remove, float("-inf"))
+    return values, indices
+
+
+class TemperatureTopKTopP(LogitsProcessor):
+    """Temperature, then top-k, then top-p (top_k_then_top_p) as one transformers LogitsProcessor, for the paths that still
+    run generate() (beam search, FSDP): the distribution of TemperatureLogitsWarper, TopKLogitsWarper and
+    TopPLogitsWarper in that order. The temperature is applied here because generate() runs a user's processors
+    before its own warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits /
+    temperature, every other token gets -inf."""
+
+    def __init__(self, temperature, top_k, top_p):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        values, indices = top_k_then_top_p(scores / self.temperature, self.top_k, self.top_p)
+        if indices is None:
+            return values
+        return torch.full_like(scores, float("-inf")).scatter_(-1, indices, values)
+
+
+class KVCache(StaticCache):
+    """transformers' StaticCache (preallocated, written in place), its keys and values held in `dtype`, the compute
+    dtype under autocast. With fp32 weights under autocast the rotary embedding leaves the keys in fp32 while v_proj
+    gives bf16 values, and a StaticCache holds one dtype for both. Attention, an autocast op, reads both in the compute
+    dtype anyway: storing them in it loses nothing and halves the cache. dtype None: as they come (fp32)."""
+
+    def __init__(self, config, max_cache_len, dtype=None):
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.compute_dtype = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.compute_dtype is not None:
+            key_states = key_states.to(self.compute_dtype)
+            value_states = value_states.to(self.compute_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _grouped_cache(model, prefill, group, reuse):
+    """The B prompts' prefilled cache, repeated to their rows (group: each row's prompt). reuse (compiled): written in
+    place into the one cache kept for this shape, so CUDA graphs find it at the same addresses at every call."""
+    if reuse is None:
+        prefill.reorder_cache(group)
+        return prefill
+    length = prefill.layers[0].max_cache_len
+    dtype = prefill.compute_dtype
+    cache = reuse.setdefault((len(group), length, dtype), KVCache(model.config, length, dtype))
+    for layer, prompt in zip(cache.layers, prefill.layers):
+        keys, values = prompt.keys[group], prompt.values[group]
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys.copy_(keys)
+        layer.values.copy_(values)
+        layer.cumulative_length.copy_(prompt.cumulative_length)
+    return cache
+
+
+def _decode_step(model, token, mask, position, cache):
+    """One token per row through the model against its KV cache: the next logits [n, V]."""
+    return model(
+        input_ids=token,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, -1]
+
+
+# --compile's state per model (compile_model): id(model) -> Compiled. Each entry holds its model (through the
+# callables), so an id here is never reused by another model.
+COMPILED = {}
+
+
+@dataclass
+class Compiled:
+    """What torch.compile made of one model, and the decode shapes it may meet.
+
+    The decode step is compiled for fixed shapes, one graph per (rows, cache length): `rows` and `length` are the
+    planned ones (plan_decode), to which every call is padded, so a run compiles and keeps at most len(rows) graphs
+    and KV caches. A call that fits no planned shape gets its own (rounded up: rows as they are, length to a
+    multiple of 64), with a warning."""
+
+    backend: object
+    mode: str | None
+    rows: tuple = ()  # planned row counts of a decode call, ascending
+    length: int | None = None  # planned cache length: longest prompt + max_new_tokens
+    # compute dtype -> (twin, its pairs, compiled step)
+    steps: dict = dataclasses.field(default_factory=dict)
+    # (rows, length, dtype) -> KVCache, written in place
+    caches: dict = dataclasses.field(default_factory=dict)
+
+    def shape(self, n, needed):
+        """The (rows, cache length) a decode call of n rows needing `needed` positions runs at."""
+        rows = next((r for r in self.rows if r >= n), n)
+        length = (
+            self.length
+            if self.length is not None and needed <= self.length
+            else -(-needed // 64) * 64
+        )
+        planned = rows in self.rows and length == self.length
+        if self.rows and not planned and not any(key[:2] == (rows, length) for key in self.caches):
+            print(
+                f"warning: --compile: a decode call of {n} rows x {needed} positions fits none of the planned "
+                f"shapes ({list(self.rows)} rows x {self.length}); compiling one more",
+                file=sys.stderr,
+                flush=True,
+            )
+        return rows, length
+
+
+def compile_decode(model, backend="inductor"):
+    """--compile: the decode step of this model is compiled at its first call, for fixed shapes against a static
+    cache (CUDA graphs on a GPU: mode "reduce-overhead"). Weights and state dict untouched."""
+    mode = "reduce-overhead" if next(model.parameters()).is_cuda and backend == "inductor" else None
+    COMPILED[id(model)] = Compiled(backend, mode)
+
+
+def plan_decode(model, rows, length):
+    """The decode shapes a compiled model will meet: each call's rows are padded up to the smallest of `rows` that
+    holds them, and its cache is `length` positions long (the longest prompt + max_new_tokens). Nothing when the
+    model is not compiled."""
+    compiled = COMPILED.get(id(model))
+    if compiled is not None:
+        compiled.rows, compiled.length = tuple(sorted(set(rows))), length
+
+
+def compiled_decoder(model, dtype):
+    """(the model decode runs, its compiled step) for a compiled model: the twin under autocast, else the model."""
+    compiled = COMPILED[id(model)]
+    if dtype not in compiled.steps:
+        twin, pairs = decode_twin(model, dtype) if dtype is not None else (model, [])
+        step = torch.compile(
+            functools.partial(_decode_step, twin),
+            backend=compiled.backend,
+            mode=compiled.mode,
+            dynamic=False,
+        )
+        compiled.steps[dtype] = (twin, pairs, step)
+    twin, pairs, step = compiled.steps[dtype]
+    refresh_twin(pairs)
+    return twin, step
+
+
+def decode_twin(model, dtype):
+    """The model for a compiled decode under autocast: every Linear's weight (and bias) held in the compute dtype,
+    what autocast casts it to at every use, so the captured step reads it as it is instead of casting each fp32
+    weight again at every token. Every other tensor (embeddings, norms, buffers) is the model's own, shared, not
+    copied, so the twin computes exactly what the model computes under autocast. Costs 2 bytes per Linear parameter
+    (a tied lm-head gets its own). Returns (twin, [(twin's tensor, model's)]) for refresh_twin."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    # the modules anew; every parameter and buffer is the model's own
+    twin = copy.deepcopy(model, shared)
+    pairs = []
+    for mine, theirs in zip(twin.modules(), model.modules()):
+        if isinstance(theirs, torch.nn.Linear):
+            for name, p in list(theirs.named_parameters(recurse=False)):
+                low = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                setattr(mine, name, low)
+                pairs.append((low, p))
+    return twin.eval(), pairs
+
+
+@torch.no_grad()
+def refresh_twin(pairs):
+    """Copy the model's current Linear weights into its decode twin, in place (the captured graphs read them at the
+    same addresses): one read of the fp32 weights per decode call."""
+    for low, p in pairs:
+        low.copy_(p)
+
+
+def compute_dtype(device):
+    """The autocast dtype in force for this device's type (bf16, fp16), or None outside autocast."""
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def is_sharded(model):
+    """Whether the model's weights are sharded over processes (FSDP2: DTensors). Every process must then run each
+    forward together: generate keeps stepping (synced_gpus) until every process's rows have finished."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def generation_config(settings, eos_ids, pad_id, num_return_sequences):
+    """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
+    (TemperatureTopKTopP applies them)."""
+    return GenerationConfig(
+        do_sample=settings.temperature > 0 and settings.num_beams == 1,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        num_return_sequences=num_return_sequences,
+        num_beams=settings.num_beams,
+        use_cache=True,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+    )
+
+
+@contextlib.contextmanager
+def flags_only(model):
+    """generate() fills every unset field of the GenerationConfig it is given from model.generation_config
+    (suppress_tokens, bad_words_ids, min_p, ...). Set the checkpoint's aside for the call, so the library defaults
+    are all it can fall back on."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
