@@ -287,9 +287,9 @@ def our_step(
     lengths,
 ):
     """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
-    G, amp = a.num_generations, sampling.AMP[a.dtype]
+    G, amp = a.num_generations, sampling.AUTOCAST_DTYPE[a.dtype]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
-    objective = train.Objective(
+    objective = train.LossSettings(
         epsilon=0.2,
         epsilon_high=None,
         beta=a.beta,
@@ -342,7 +342,7 @@ def worker_ours(a):
     start = checksum(model)
     model.to(DEVICE)
     # None when beta == 0
-    ref_model = models.reference_model(model, a.beta, sampling.AMP[a.dtype], DEVICE)
+    ref_model = models.reference_model(model, a.beta, sampling.AUTOCAST_DTYPE[a.dtype], DEVICE)
     if a.compile:  # as train.build_run does for --compile
         for m in [model] + ([ref_model] if ref_model is not None else []):
             sampling.compile_model(m, a.compile)
@@ -1058,7 +1058,7 @@ def parity_accumulation(model, tokenizer, tmp, batch):
         case = dict(
             loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token"
         )
-        objective = train.Objective(epsilon=0.2, max_tokens=tokens.shape[1], **case)
+        objective = train.LossSettings(epsilon=0.2, max_tokens=tokens.shape[1], **case)
         trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
         rows.append(
             parity_compare(
@@ -1102,7 +1102,7 @@ def worker_parity(a):
     n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
     rows = []
     for case in parity_cases():
-        objective = train.Objective(epsilon=0.2, max_tokens=mask.shape[1], **case)
+        objective = train.LossSettings(epsilon=0.2, max_tokens=mask.shape[1], **case)
         trainer = parity_trainer(model, tokenizer, tmp, case, n)
         rows.append(
             parity_compare(
@@ -1212,7 +1212,7 @@ def memory_phases(a):
       - policy forward + backward: the fp32 gradients, autocast's copy of the weights, the micro-batch's activations
         and the chunked lm-head's working set;
       - optimizer: the gradients (freed right after the step: no generation holds them)."""
-    c, amp = CONFIGS[a.config], sampling.AMP[a.dtype]
+    c, amp = CONFIGS[a.config], sampling.AUTOCAST_DTYPE[a.dtype]
     width = 2 if amp is not None else 4
     model = build_model_meta(a.config)
     n = sum(p.numel() for p in model.parameters())

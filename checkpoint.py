@@ -275,7 +275,7 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
         fsync_tree(tmp)
     except OSError as e:  # a full disk (ENOSPC), a quota: the previous checkpoint was not touched
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = find(output_dir)
+        previous = find_last(output_dir)
         kept = (
             f"the previous checkpoint, {previous}, is intact"
             if previous
@@ -322,7 +322,7 @@ def fsync_tree(directory, files=True):
         os.close(fd)
 
 
-def find(output_dir):
+def find_last(output_dir):
     """OUTPUT_DIR/checkpoint, or checkpoint.old when a crash hit between save's two renames."""
     for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(output_dir, name)

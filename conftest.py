@@ -101,7 +101,7 @@ def run_tiny(out_dir, *extra, reward=varied_reward):
     """train.py with tiny_argv's flags, on the demo's task with `reward` as its reward function: the task is handed
     to train(), as your own task would be."""
     args = config.parse_args(tiny_argv(out_dir, *extra))
-    resume_dir = checkpoint.find(args.output_dir) if args.resume else None
+    resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
     task, model, tokenizer = train.setup(args, resume_dir)
     task = dataclasses.replace(task, rewards=[rewards.Reward("correctness", reward, 1.0)])
     return train.train(args, task, model, tokenizer, resume_dir)

@@ -1,4 +1,4 @@
-"""Tasks for GRPO: what a run learns from (rows, a prompt builder, reward functions), and GSM8K.
+"""Tasks for GRPO: what a run learns from (rows, a prompt template, reward functions), and GSM8K.
 
 GSM8K (Cobbe et al. 2021, arXiv 2110.14168) is 7,473 train and 1,319 test grade-school word problems.
 Each JSONL row is {"question": ..., "answer": "<worked solution>\\n#### <final number>"}; the data
@@ -6,7 +6,7 @@ lives in the openai/grade-school-math GitHub repository (MIT license).
 
 How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed, s), a pure
 function of the step, so a resumed run continues with exactly the batches it would have seen (no iterator
-state to save); each row's question goes through task.prompt, and its answer (the reference number) is
+state to save); each row's question goes through task.template, and its answer (the reference number) is
 repeated G times beside the G completions that the reward functions score.
 """
 
@@ -29,18 +29,21 @@ from errors import UserError
 class Task:
     """What train() learns from. The demo, GSM8K and your own task enter the same way."""
 
-    train: list  # rows {"question": the prompt's text, "answer": the reference the reward functions compare with,
-    #       and optionally "fields": {the row's other fields}}
-    eval: list  # held-out rows of the same form ([] when evaluation is off)
-    prompt: Callable  # (tokenizer, question) -> the text the policy continues
-    rewards: list  # [rewards.Reward]
-    response_prefix: str = (
-        ""  # written at the start of every reply, e.g. "<think>\n": the policy continues after it
-    )
+    # Rows {"question": the prompt's text, "answer": the reference the reward functions compare with, and
+    # optionally "fields": {the row's other fields}}.
+    train: list
+    # Held-out rows of the same form ([] when evaluation is off).
+    eval: list
+    # (tokenizer, question) -> the prompt's text (a chat template around the question, say).
+    template: Callable
+    # [rewards.Reward]
+    rewards: list
+    # Written at the start of every reply, e.g. "<think>\n": the policy continues after it.
+    response_prefix: str = ""
 
-    def query(self, tokenizer, question):
-        """The text the policy continues: the prompt, then the response prefix."""
-        return self.prompt(tokenizer, question) + self.response_prefix
+    def prompt(self, tokenizer, question):
+        """The text the policy continues: the template around the question, then the response prefix."""
+        return self.template(tokenizer, question) + self.response_prefix
 
     def responses(self, completions):
         """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
@@ -268,7 +271,7 @@ def task_from_flags(args):
         eval=load_rows("test", eval_path, "--eval-data", read)
         if need_eval and (eval_path or not custom)
         else [],
-        prompt=prompt,
+        template=prompt,
         rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]),
     )
 

@@ -88,7 +88,7 @@ def setup(seed, warmup_steps, target_accuracy):
     task = data.Task(
         train=problems,
         eval=problems,
-        prompt=lambda tokenizer, question: question,
+        template=lambda tokenizer, question: question,
         rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
     )
     return model, tokenizer, task

@@ -92,7 +92,7 @@ def is_main():
     return rank() == 0
 
 
-def shard(rows):
+def my_share(rows):
     """This rank's contiguous share of the step's rows (rank r: the r-th of world equal parts)."""
     n = len(rows) // world()
     return rows[rank() * n : (rank() + 1) * n]

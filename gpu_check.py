@@ -367,13 +367,13 @@ def decode_check(model, tokenizer, task, args, opts, meter):
         raise config.UserError(
             f"--rows {opts.rows} must be a multiple of G = {G}, at most {G * len(task.train)}"
         )
-    prompts = [task.query(tokenizer, row["question"]) for row in task.train[: opts.rows // G]]
+    prompts = [task.prompt(tokenizer, row["question"]) for row in task.train[: opts.rows // G]]
     # [rows / G, P]
     ids, mask = sampling.tokenize_prompts(tokenizer, prompts, torch.device(args.device))
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
     # an EOS after max_new tokens: never
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
-    eos, amp = sampling.eos_token_ids(model, tokenizer), sampling.AMP[args.dtype]
+    eos, amp = sampling.eos_token_ids(model, tokenizer), sampling.AUTOCAST_DTYPE[args.dtype]
 
     def generate():  # as sample_rollouts runs it: under the run's autocast
         with sampling.autocast(ids.device, amp):
@@ -749,7 +749,9 @@ def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
         return dict(out, decode=dict(skipped=True))
     try:
         out["decode"] = decode_check(model, tokenizer, task, args, opts, meter)
-        out["floor"] = decode_floor(model, out["decode"], sampling.AMP[args.dtype], bandwidth)
+        out["floor"] = decode_floor(
+            model, out["decode"], sampling.AUTOCAST_DTYPE[args.dtype], bandwidth
+        )
     except Exception as e:
         traceback.print_exc()
         out["decode"] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")

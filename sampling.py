@@ -294,7 +294,7 @@ def prepare_tokenizer(tokenizer):
 
 
 # --dtype: the autocast compute dtype
-AMP = {
+AUTOCAST_DTYPE = {
     "fp32": None,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,

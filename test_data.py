@@ -153,15 +153,15 @@ def test_system_prompt_takes_text_or_a_file_and_defaults_by_task(tmp_path):
         (["--system-prompt", f"@{tmp_path / 'system.txt'}"], "Be brief.\nVery.\n\n1 + 1 =\n"),
     ]:
         task = data.task_from_flags(config.parse_args(own_task_argv(tmp_path, *flag)))
-        assert task.prompt(tokenizer, "1 + 1 =") == expected
+        assert task.template(tokenizer, "1 + 1 =") == expected
     gsm8k = [*CPU, "--data", write_gsm8k(tmp_path / "gsm.jsonl"), "--eval-every", "-1"]
     assert (
         data.task_from_flags(config.parse_args(gsm8k))
-        .prompt(tokenizer, "q")
+        .template(tokenizer, "q")
         .startswith(SYSTEM_PROMPT)
     )
     no_system = data.task_from_flags(config.parse_args([*gsm8k, "--system-prompt", ""]))
-    assert no_system.prompt(tokenizer, "q") == "Question: q\nAnswer:\n"
+    assert no_system.template(tokenizer, "q") == "Question: q\nAnswer:\n"
     with pytest.raises(config.UserError, match="--system-prompt @.*could not read the file"):
         config.parse_args([*gsm8k, "--system-prompt", f"@{tmp_path / 'missing.txt'}"])
 

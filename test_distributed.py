@@ -46,7 +46,7 @@ def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
         advantages,
         None,
         ref,
-        objective=train.Objective(0.2, None, 0.04, loss_type, "token", 6, None),
+        objective=train.LossSettings(0.2, None, 0.04, loss_type, "token", 6, None),
         micro_batch_size=4,
         max_grad_norm=float("inf"),
         ddp=ddp,

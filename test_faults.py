@@ -66,7 +66,7 @@ def train_subprocess(out_dir, env, steps, kill_after=None):
     """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint). kill_after:
     SIGKILL it that many seconds after its first line about training ("GRPO: ..."), unless it finished first."""
     argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
-    argv += ["--resume"] if checkpoint.find(str(out_dir)) else []
+    argv += ["--resume"] if checkpoint.find_last(str(out_dir)) else []
     log, started = (
         f"{out_dir}.log",
         lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0,
@@ -189,7 +189,7 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     interrupted = [*argv, "--save-every", "2" if how == "crash" else "0"]
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
         run_tiny(tmp_path / "resumed", *interrupted)
-    assert checkpoint.load_state(checkpoint.find(str(tmp_path / "resumed")))["step"] == 2
+    assert checkpoint.load_state(checkpoint.find_last(str(tmp_path / "resumed")))["step"] == 2
     monkeypatch.setattr(rewards, "score", real_score)
     run_tiny(tmp_path / "resumed", *interrupted, "--resume")
 
@@ -231,7 +231,7 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
         # --save-every 0: the only checkpoints are the ones before evaluations
         run_tiny(tmp_path / "cut", *argv)
-    assert checkpoint.load_state(checkpoint.find(str(tmp_path / "cut")))["step"] == at_step
+    assert checkpoint.load_state(checkpoint.find_last(str(tmp_path / "cut")))["step"] == at_step
     monkeypatch.setattr(train, "evaluate", real_evaluate)
     evals = run_tiny(tmp_path / "cut", *argv, "--resume")
     assert [step for step, _ in evals] == [0, 2, 4]
@@ -408,10 +408,10 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
     checkpoint.save(out, model, tokenizer, {"step": 1})
     checkpoint.save(out, model, tokenizer, {"step": 2})
     assert sorted(os.listdir(out)) == ["checkpoint"]  # no .tmp or .old left behind
-    assert checkpoint.load_state(checkpoint.find(out))["step"] == 2
+    assert checkpoint.load_state(checkpoint.find_last(out))["step"] == 2
     # as if killed mid-swap
     os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))
-    assert checkpoint.find(out).endswith("checkpoint.old")
+    assert checkpoint.find_last(out).endswith("checkpoint.old")
 
 
 # --- non-finite losses, gradients and rewards; degenerate batches -----------------------------------------------------

@@ -147,7 +147,7 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
         rollouts,
         torch.tensor([1.0, -1.0] * 4),
         ref_logps=None,
-        objective=train.Objective(0.2, None, 0.0, "grpo", "token", 4, None),
+        objective=train.LossSettings(0.2, None, 0.0, "grpo", "token", 4, None),
         micro_batch_size=4,
     )
     stats, old = update(old_logps=None)
@@ -256,7 +256,7 @@ def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_polic
             moves.append((a, {p.dtype for p in self.parameters()})) or real_to(self, *a, **k)
         ),
     )
-    ref = models.reference_model(model, 0.04, sampling.AMP["bf16"], "cpu")
+    ref = models.reference_model(model, 0.04, sampling.AUTOCAST_DTYPE["bf16"], "cpu")
     # one move, parameters already bf16: no fp32 copy on the device
     assert moves == [(("cpu",), {torch.bfloat16})]
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
@@ -561,7 +561,7 @@ def test_eval_means_and_pass_at_k_worked_example():
     task = data.Task(
         train=[],
         eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
-        prompt=lambda tokenizer, question: question,
+        template=lambda tokenizer, question: question,
         rewards=rewards.weighted(
             [("correctness", hits), ("format", lambda c, a: [0.1] * len(c))], [1.0, 0.5]
         ),
@@ -590,7 +590,7 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     task = data.Task(
         train=[],
         eval=[{"question": "3 + 4 =", "answer": "7"}],
-        prompt=lambda tokenizer, q: q,
+        template=lambda tokenizer, q: q,
         rewards=[rewards.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)],
     )
     settings = sampling.Sampling(temperature=0, max_new_tokens=3)
@@ -641,7 +641,7 @@ def test_response_prefix_ends_every_prompt_and_starts_every_scored_response(tmp_
 
 def test_response_prefix_counts_toward_the_format_reward():
     task = data.Task(
-        train=[], eval=[], prompt=build_prompt, rewards=[], response_prefix="<think>\n"
+        train=[], eval=[], template=build_prompt, rewards=[], response_prefix="<think>\n"
     )
     assert format_reward(task.responses(["2 + 2 = 4\n</think>\n<answer>4</answer>"])) == [0.5]
 

@@ -51,7 +51,7 @@ def sure_model():
 
 def greedy_rollouts(model, tokenizer, task, amp, num_beams=1, group_size=1):
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6, num_beams=num_beams)
-    prompts = [task.query(tokenizer, row["question"]) for row in task.eval]
+    prompts = [task.prompt(tokenizer, row["question"]) for row in task.eval]
     return sampling.sample_rollouts(model, tokenizer, prompts, settings, group_size, amp)
 
 
@@ -235,7 +235,7 @@ def one_update(dtype, mu, beta, checkpointing=False):
             advantages,
             old,
             ref_logps,
-            objective=train.Objective(0.2, None, beta, "grpo", "token", 6, None),
+            objective=train.LossSettings(0.2, None, beta, "grpo", "token", 6, None),
             micro_batch_size=4,
             max_grad_norm=float("inf"),
             amp=amp,
@@ -383,7 +383,7 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
         grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4),
         None,
         None,
-        objective=train.Objective(0.2, None, 0.0, "grpo", "token", 6, None),
+        objective=train.LossSettings(0.2, None, 0.0, "grpo", "token", 6, None),
         micro_batch_size=4,
     )
     assert all(p.grad is None for p in model.parameters())

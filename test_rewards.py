@@ -375,7 +375,7 @@ def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_w
     task = data.Task(
         train=rows,
         eval=[],
-        prompt=None,
+        template=None,
         response_prefix="> ",
         rewards=rewards.weighted(
             [("declares", declares), ("takes_all", takes_all), ("plain", plain)], [1.0, 1.0, 0.5]
@@ -490,7 +490,10 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
         {"question": "q1", "answer": 2, "fields": {}},
     ]
     task = data.Task(
-        train=rows, eval=[], prompt=None, rewards=rewards.weighted([("wants_id", wants_id)], [1.0])
+        train=rows,
+        eval=[],
+        template=None,
+        rewards=rewards.weighted([("wants_id", wants_id)], [1.0]),
     )
     task.score(rows[1:], ["a"])  # a batch in which no row has the field: still passed, as None
     assert seen == [[None]]

@@ -44,11 +44,11 @@ def train(args, task, model, tokenizer, resume_dir=None):
     """
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none when β = 0).
     run = build_run(args, model, tokenizer, resume_dir)
-    model, G, amp = run.model, args.num_generations, sampling.AMP[args.dtype]
+    model, G, amp = run.model, args.num_generations, sampling.AUTOCAST_DTYPE[args.dtype]
     settings = sampling.Sampling.of(args)
     # Completions per forward/backward: whole groups.
     micro = args.micro_batch_size or args.batch_size * G
-    objective = Objective.of(args)
+    objective = LossSettings.of(args)
     if args.compile:
         # The compiled decode's shapes, fixed for the run: at most two graphs and two KV caches.
         length = decode_length(task, tokenizer, model, settings)
@@ -63,10 +63,10 @@ def train(args, task, model, tokenizer, resume_dir=None):
         try:
             # 5: sample a batch D_b from D (under torchrun, this process's share of it).
             batch = data.batch_at(task.train, prompts_per_step(args), args.seed, step)
-            rows = distributed.shard(batch)
+            rows = distributed.my_share(batch)
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             # q: the prompt, then any response prefix.
-            prompts = [task.query(tokenizer, row["question"]) for row in rows]
+            prompts = [task.prompt(tokenizer, row["question"]) for row in rows]
             # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)
             # 8: compute the rewards r_i of each o_i: [B*G] in all, and {name: [B*G]} per function.
@@ -86,7 +86,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             advantages = grpo.group_advantages(
                 distributed.gather(reward), G, scale=args.scale_rewards
             )
-            advantages = distributed.shard(advantages).to(rollouts.input_ids.device)
+            advantages = distributed.my_share(advantages).to(rollouts.input_ids.device)
             # log π_ref(o_i,t | q, o_i,<t) for the KL term, from line 3's model (none when β = 0): [B*G, C].
             ref_logps = None
             if run.ref_model is not None and mu > 0:
@@ -118,14 +118,14 @@ def train(args, task, model, tokenizer, resume_dir=None):
                     old_logps = logps
                 nonfinite = count_nonfinite(nonfinite, stats, args.max_nonfinite)
             times.append(time.time() - t0)
-            gathered = every_rank(reward, per_fn, rollouts)
+            gathered = gather_for_metrics(reward, per_fn, rollouts)
             steps_left = args.steps - step - 1
             metrics = report.step_metrics(*gathered, G, updates, times, steps_left, run.scheduler)
             metrics.update(dynamic)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-            query = task.query(tokenizer, rows[0]["question"])
+            first = task.prompt(tokenizer, rows[0]["question"])
             responses = task.responses(rollouts.texts)
-            report.print_sample(args, step + 1, query, responses, reward[0], rows[0]["answer"])
+            report.print_sample(args, step + 1, first, responses, reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(
                 zero_std_streak, metrics["frac_zero_std"], args, step + 1
             )
@@ -166,7 +166,7 @@ def decode_length(task, tokenizer, model, settings):
 
 def longest_prompt(task, tokenizer, limit):
     """The most tokens any prompt of the run has, training and held-out rows, at most `limit` (where they are cut)."""
-    prompts = [task.query(tokenizer, row["question"]) for row in task.train + task.eval]
+    prompts = [task.prompt(tokenizer, row["question"]) for row in task.train + task.eval]
     longest = max(tokenizer(prompts, add_special_tokens=False, return_length=True)["length"])
     return longest if limit is None else min(longest, limit)
 
@@ -179,7 +179,7 @@ def finish(run, task, args):
         report.curves(args.output_dir)
 
 
-def every_rank(reward, per_fn, rollouts):
+def gather_for_metrics(reward, per_fn, rollouts):
     """The step's rewards [N], per-function rewards and completion lengths and truncation flags [N], gathered from
     every rank (under torchrun), for the logged metrics."""
     gather = distributed.gather
@@ -197,7 +197,7 @@ def log_step(path, step, args, metrics, reward_names):
 
 
 @dataclass(frozen=True)
-class Objective:
+class LossSettings:
     """Eq. 3's settings: grpo.grpo_loss's keywords."""
 
     epsilon: float
@@ -253,7 +253,11 @@ def build_run(args, model, tokenizer, resume_dir=None):
         model, ref_model = peft_model.get_base_model(), peft_model if args.beta > 0 else None
     else:
         ref_model = models.reference_model(
-            model, args.beta, sampling.AMP[args.dtype], args.device, copy_model=resume_dir is None
+            model,
+            args.beta,
+            sampling.AUTOCAST_DTYPE[args.dtype],
+            args.device,
+            copy_model=resume_dir is None,
         )
     if (
         resume_dir is not None
@@ -360,7 +364,7 @@ def policy_update(
     optimizer.zero_grad(set_to_none=True)
     batches = micro_batches(mask.shape[0], micro_batch_size)
     for i, rows in enumerate(batches):
-        ids, attn, keep = trim(rollouts, rows)
+        ids, attn, keep = micro_batch_inputs(rollouts, rows)
         no_sync = (
             ddp.no_sync() if ddp is not None and i < len(batches) - 1 else contextlib.nullcontext()
         )
@@ -426,7 +430,7 @@ def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
     G, want, amp = (
         args.num_generations,
         args.batch_size * args.gradient_accumulation_steps,
-        sampling.AMP[args.dtype],
+        sampling.AUTOCAST_DTYPE[args.dtype],
     )
     settings, parts, calls = sampling.Sampling.of(args), [(rows, rollouts, reward, per_fn)], 1
 
@@ -439,7 +443,7 @@ def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
         extra = sampling.sample_rollouts(
             run.model,
             run.tokenizer,
-            [task.query(run.tokenizer, r["question"]) for r in more],
+            [task.prompt(run.tokenizer, r["question"]) for r in more],
             settings,
             G,
             amp,
@@ -525,7 +529,7 @@ def frozen_logps(model, rollouts, micro_batch_size, amp=None, shared_prompt=True
     N, C = rollouts.completion_mask.shape
     out = torch.zeros(N, C, device=rollouts.completion_mask.device)
     for rows in micro_batches(N, micro_batch_size):
-        ids, attn, keep = trim(rollouts, rows)
+        ids, attn, keep = micro_batch_inputs(rollouts, rows)
         with sampling.autocast(ids.device, amp), adapters_off():
             out[rows, :keep] = sampling.token_logprobs(
                 net,
@@ -544,7 +548,7 @@ def micro_batches(n, size):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def trim(rollouts, rows):
+def micro_batch_inputs(rollouts, rows):
     """One micro-batch's ids and attention mask without the columns none of its rows needs: leading prompt padding
     (position ids come from the mask, so dropping all-pad columns changes nothing) and the completion columns after
     its longest completion. Returns (ids, mask, completion columns kept)."""
@@ -582,7 +586,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             if not chunk and not decode.is_sharded(model):
                 break
             # FSDP2: join in
-            prompts = [task.query(tokenizer, row["question"]) for row in chunk or every[:1]]
+            prompts = [task.prompt(tokenizer, row["question"]) for row in chunk or every[:1]]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
             if chunk:
                 total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
@@ -652,7 +656,7 @@ def evaluate_as_flagged(model, tokenizer, task, args):
         args.eval_limit,
         args.eval_batch_size,
         args.seed if args.eval_seed is None else args.eval_seed,
-        sampling.AMP[args.dtype],
+        sampling.AUTOCAST_DTYPE[args.dtype],
     )
 
 
@@ -730,7 +734,7 @@ def main(argv=None):
                 )
             return report.curves(args.plot)
         resume_dir = (
-            checkpoint.find(args.output_dir) if args.resume and not args.eval_only else None
+            checkpoint.find_last(args.output_dir) if args.resume and not args.eval_only else None
         )
         if args.resume and not args.eval_only and resume_dir is None:
             raise UserError(
