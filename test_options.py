@@ -1,0 +1,308 @@
+"""The options of the loop, each one flag and off by default: completions cut off by the budget masked
+(--mask-truncated), DAPO's overlong reward, dynamic sampling, beam groups, and LoRA adapters (peft, optional:
+those tests skip only where peft is not installed).
+"""
+
+import math
+import re
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import checkpoint
+import config
+import decode
+import demo
+import grpo
+import models
+import sampling
+import train
+from conftest import (
+    assert_same_run,
+    read_metrics,
+    run_tiny,
+    tiny_argv,
+    without_time,
+)
+from data import batch_at
+
+
+def half_truncated(real_generate):
+    """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the budget without EOS."""
+
+    def generate(model, prompt_ids, prompt_mask, settings, *a, **kw):
+        # [B*G, C] completions
+        rows = real_generate(model, prompt_ids, prompt_mask, settings, *a, **kw).shape[0]
+        completions = torch.full((rows, settings.max_new_tokens), 10)
+        completions[::2, 2], completions[::2, 3:] = demo.EOS, demo.PAD
+        return completions
+
+    return generate
+
+
+def odd_answers_spread(completions, answers):
+    """Groups of odd sums get rewards 0, 1, 2, 3 (always spread); groups of even sums all get 1.0 (never)."""
+    return [float(i % 4) if int(a) % 2 else 1.0 for i, a in enumerate(answers)]
+
+
+# --- algorithm options: overlong handling, dynamic sampling, beams ----------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["default", "mask-truncated"])
+def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fraction(
+    tmp_path, monkeypatch, flag
+):
+    masks, real_loss = [], grpo.grpo_loss
+    monkeypatch.setattr(decode, "generate", half_truncated(decode.generate))
+    monkeypatch.setattr(
+        grpo, "grpo_loss", lambda *a, **kw: masks.append(a[4].clone()) or real_loss(*a, **kw)
+    )
+    run_tiny(tmp_path / "run", *(["--mask-truncated"] if flag else []))
+    (row,) = read_metrics(tmp_path / "run")
+    # lengths as generated
+    assert row["frac_truncated"] == 0.5 and row["completion_len_mean"] == (3 + 6) / 2
+    # per completion, over the two micro-batches (trimmed to their need)
+    tokens = torch.cat([m.sum(1) for m in masks])
+    assert tokens[::2].tolist() == [3] * 8 and tokens[1::2].tolist() == [0 if flag else 6] * 8
+
+
+def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
+    real_generate = decode.generate
+    monkeypatch.setattr(
+        decode, "generate", lambda *a, **kw: (real_generate(*a, **kw), torch.full((16, 6), 10))[1]
+    )
+    run_tiny(tmp_path / "run", "--mask-truncated", "--seed", "42")
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["frac_truncated"] == 1.0
+    initial, _ = demo.model_and_tokenizer(seed=42)  # the run's starting weights (no warm-up)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()
+    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
+
+
+def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
+    # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so its mean is
+    # -(mean length)/6; float32 means: 1e-6.
+    train.main(
+        tiny_argv(
+            tmp_path / "run",
+            "--reward-fn",
+            "format",
+            "--overlong-buffer",
+            "6",
+            "--reward-weights",
+            "1.0,0.5",
+        )
+    )
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["rewards/overlong"] == pytest.approx(-row["completion_len_mean"] / 6, abs=1e-6)
+    assert row["reward"] == pytest.approx(
+        row["rewards/format"] + 0.5 * row["rewards/overlong"], abs=1e-6
+    )
+    with pytest.raises(config.UserError, match=re.escape("(format, overlong): 2 numbers, got 1")):
+        train.setup(
+            config.parse_args(
+                tiny_argv(
+                    tmp_path / "x",
+                    "--reward-fn",
+                    "format",
+                    "--overlong-buffer",
+                    "6",
+                    "--reward-weights",
+                    "1.0",
+                )
+            )
+        )
+
+
+def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_until_the_batch_is_full(
+    tmp_path,
+):
+    run_tiny(tmp_path / "run", "--dynamic-sampling", "--seed", "3", reward=odd_answers_spread)
+    (row,) = read_metrics(tmp_path / "run")
+    problems = demo.setup(3, 0, 0.1)[2].train
+    # what the step must have done: batches of 4 prompts, stream k for the k-th extra call
+    odd, calls = (
+        0,
+        0,
+    )
+    while odd < 4 and calls <= 3:
+        odd += sum(int(r["answer"]) % 2 for r in batch_at(problems, 4, 3, 0, stream=calls))
+        calls += 1
+    assert calls > 1  # this seed's first batch is short of groups with spread
+    assert (row["dynamic_calls"], row["dynamic_groups"]) == (calls, 4)
+    assert row["dynamic_dropped"] == 4 * calls - odd and row["frac_zero_std"] == 0.0
+    assert row["reward"] == 1.5 and row["skipped_no_spread"] == 0  # kept: 0, 1, 2, 3 in each group
+
+
+def test_dynamic_sampling_with_no_spread_anywhere_skips_the_update_and_says_so(tmp_path, capsys):
+    run_tiny(
+        tmp_path / "run",
+        "--dynamic-sampling",
+        "--max-resample",
+        "2",
+        "--seed",
+        "42",
+        reward=lambda c, a: [1.0] * len(c),
+    )
+    (row,) = read_metrics(tmp_path / "run")
+    assert (row["skipped_no_spread"], row["dynamic_calls"], row["dynamic_groups"]) == (1, 3, 0)
+    assert row["dynamic_dropped"] == 12  # 3 calls x 4 groups
+    assert "SKIPPED the update: no group had reward spread" in capsys.readouterr().out
+    initial, _ = demo.model_and_tokenizer(seed=42)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint").state_dict()
+    # beta > 0, but no update at all
+    assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    argv = [
+        "--dynamic-sampling",
+        "--steps",
+        "3",
+        "--seed",
+        "3",
+        "--save-every",
+        "1",
+        "--lr-scheduler",
+        "constant",
+    ]
+    run_tiny(tmp_path / "straight", *argv, reward=odd_answers_spread)
+    # the later --steps wins
+    run_tiny(tmp_path / "resumed", *argv, "--steps", "1", reward=odd_answers_spread)
+    run_tiny(tmp_path / "resumed", *argv, "--resume", reward=odd_answers_spread)
+    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(
+        read_metrics(tmp_path / "straight")
+    )
+
+
+def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path):
+    from transformers import GenerationConfig
+
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    prompts = ["3 + 4 =", "1 + 1 =", "5 + 2 ="]
+    rollouts = sampling.sample_rollouts(
+        model, tokenizer, prompts, sampling.Sampling(0.9, 50, 0.9, 5, None, 4), 2
+    )
+    ids, mask = sampling.tokenize_prompts(tokenizer, prompts, "cpu")
+    # plain beam search: the sampling flags play no part
+    expected = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        generation_config=GenerationConfig(
+            num_beams=4,
+            num_return_sequences=2,
+            do_sample=False,
+            max_new_tokens=5,
+            eos_token_id=[demo.EOS],
+            pad_token_id=demo.PAD,
+        ),
+    )
+    assert torch.equal(rollouts.input_ids, expected)
+    pairs = rollouts.input_ids[:, ids.shape[1] :].view(3, 2, -1)
+    assert all(not torch.equal(pair[0], pair[1]) for pair in pairs)  # a group's beams differ
+    run_tiny(tmp_path / "run", "--num-beams", "4")
+    (row,) = read_metrics(tmp_path / "run")
+    assert math.isfinite(row["loss"]) and row["entropy"] > 0
+    with pytest.raises(
+        config.UserError, match="--num-beams \\(2\\) must be at least --num-generations \\(4\\)"
+    ):
+        config.parse_args(tiny_argv(tmp_path / "x", "--num-beams", "2"))
+
+
+# --- LoRA (peft, optional: these tests skip only where peft is not installed) ---------------------------------------
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,v_proj,lm_head"])
+def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_saves_a_merged_model(
+    tmp_path, monkeypatch, targets
+):
+    pytest.importorskip("peft")
+    copies, refs, real_logps = [], [], train.frozen_logps
+    monkeypatch.setattr(models, "reference_model", lambda *a, **k: copies.append(1))
+    monkeypatch.setattr(
+        train,
+        "frozen_logps",
+        lambda model, *a, **k: refs.append(model) or real_logps(model, *a, **k),
+    )
+    calls, real_head = [], sampling._LinearLogprobs
+
+    class Counting:
+        apply = staticmethod(lambda *a: calls.append(1) or real_head.apply(*a))
+
+    monkeypatch.setattr(sampling, "_LinearLogprobs", Counting)
+    run_tiny(
+        tmp_path / "run",
+        "--lora-rank",
+        "4",
+        "--steps",
+        "2",
+        "--seed",
+        "42",
+        "--lora-target-modules",
+        targets,
+    )
+    # no second copy
+    assert copies == [] and len(refs) == 2 and type(refs[0]).__name__ == "PeftModelForCausalLM"
+    # the chunked lm-head path runs unless the head is adapted
+    assert bool(calls) == (targets == "q_proj,v_proj")
+    initial, _ = demo.model_and_tokenizer(seed=42)
+    # no peft needed to load it
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")
+    changed = {
+        k for k, v in initial.state_dict().items() if not torch.equal(merged.state_dict()[k], v)
+    }
+    suffixes = tuple(f"{t}.weight" for t in targets.split(","))
+    # only the targets (a tied head: untied on save)
+    assert changed and all(k.endswith(suffixes) for k in changed)
+    import peft
+
+    base, _ = demo.model_and_tokenizer(seed=42)
+    adapted = peft.PeftModel.from_pretrained(
+        base, str(tmp_path / "run" / "checkpoint" / "adapter")
+    ).eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    # W + scale·B·A in fp32, merged vs applied as adapters: equal up to summation order (~1e-7).
+    torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_periodic_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    argv = [
+        "--lora-rank",
+        "4",
+        "--steps",
+        "3",
+        "--save-every",
+        "1",
+        "--lr-scheduler",
+        "constant",
+        "--seed",
+        "42",
+    ]
+    saves, real_save = [], checkpoint.save
+    monkeypatch.setattr(
+        checkpoint, "save", lambda *a, **k: saves.append(k["merge"]) or real_save(*a, **k)
+    )
+    run_tiny(tmp_path / "straight", *argv)
+    # adapters every step; the merged model only when the run ends
+    assert saves == [
+        False,
+        False,
+        True,
+    ]
+    run_tiny(tmp_path / "resumed", *argv, "--steps", "1")
+    run_tiny(tmp_path / "resumed", *argv, "--resume")
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_lora_without_peft_or_with_a_missing_module_is_one_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    with pytest.raises(config.UserError, match="LoRA: .*--lora-target-modules no_such_proj"):
+        run_tiny(tmp_path / "a", "--lora-rank", "4", "--lora-target-modules", "no_such_proj")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
+    with pytest.raises(
+        config.UserError, match="--lora-rank needs peft, which is not installed: pip install peft"
+    ):
+        run_tiny(tmp_path / "b", "--lora-rank", "4")
