@@ -17,6 +17,7 @@ another's. Models are random-weight Llamas and a word-level tokenizer built in c
 import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import os
@@ -27,15 +28,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
 
 import config
 import data
+import decode
 import demo
 import grpo
-import models
+import report
 import rewards
 import sampling
 import train
@@ -122,8 +125,10 @@ def mem_peak():
 
 
 @contextlib.contextmanager
-def phase(record, name):
-    """record[name] = (wall seconds, extra peak memory in bytes, CPU seconds of this process) of the block.
+def phase(record, name, accumulate=False):
+    """record[name] = (wall seconds, extra peak memory in bytes, CPU seconds of this process) of the block; with
+    accumulate, the seconds add to those already there (the μ calls of policy_update in a step) and the peak is the
+    larger.
 
     The CPU seconds are the second opinion on a shared machine: other people's jobs stretch the wall time of a
     phase but barely its CPU time (except for OpenMP threads spinning while they wait for a descheduled sibling)."""
@@ -133,7 +138,11 @@ def phase(record, name):
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     peak = mem_peak()
-    record[name] = (time.perf_counter() - t0, peak - base, time.process_time() - c0)
+    wall, extra, cpu = time.perf_counter() - t0, peak - base, time.process_time() - c0
+    if accumulate and name in record:
+        old = record[name]
+        wall, extra, cpu = old[0] + wall, max(old[1], extra), old[2] + cpu
+    record[name] = (wall, extra, cpu)
     PEAK[0] = max(PEAK[0], peak)
 
 
@@ -186,7 +195,7 @@ def expected_lengths(lengths, max_new):
 
 
 class ForcedLengths(LogitsProcessor):
-    """The forced lengths in transformers' generate() (TRL's side; decode() takes them for ours): EOS gets probability
+    """The forced lengths in transformers' generate() (TRL's side; forced_lengths_in_decode is ours): EOS gets probability
     0 before a row's length and 1 at it. generate() keeps rows in place, so row i is always row i."""
 
     def __init__(self, lengths, prompt_length, eos):
@@ -273,117 +282,134 @@ def worker_logprobs(a):
     return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
 
 
-def our_step(
-    model,
-    ref_model,
-    tokenizer,
-    optimizer,
-    scheduler,
-    prompts,
-    answers,
-    task_rewards,
-    a,
-    record,
-    lengths,
-):
-    """One step of train.py's loop (Algorithm 1's lines 5-11) with train.py's own functions, each phase timed."""
-    G, amp = a.num_generations, sampling.AUTOCAST_DTYPE[a.dtype]
-    settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
-    objective = train.LossSettings(
-        epsilon=0.2,
-        epsilon_high=None,
-        beta=a.beta,
-        loss_type="grpo",
-        ratio_level="token",
-        max_tokens=a.max_new_tokens,
-        delta=None,
-    )
-    with phase(record, "generate"):  # 7: G samples per prompt, one decode, the forced lengths
-        rollouts = sampling.sample_rollouts(
-            model, tokenizer, prompts, settings, G, amp, lengths=lengths
+@contextlib.contextmanager
+def forced_lengths_in_decode(steps, eos):
+    """Our side of --real-length (ForcedLengths is TRL's): each decode.decode call, one per training step, takes the
+    next [B*G] row of `steps`; row i draws no EOS before its lengths[i]-th token and EOS as that token (over
+    max_new_tokens: never). Measurement only: it wraps decode.decode and decode.sample_tokens from outside, so the
+    functions the loop calls carry no bench mechanism. Eager decode drops rows from the batch as they end, so at token
+    t the rows sampled are those with lengths > t, in order; compiled, every planned row is sampled."""
+    real_decode, real_sample, calls, now = decode.decode, decode.sample_tokens, iter(steps), {}
+    eos = [eos] if isinstance(eos, int) else list(eos)
+
+    def decode_with_lengths(model, prompt_ids, *args, **kwargs):
+        now.update(lengths=next(calls).to(prompt_ids.device), t=0)
+        return real_decode(model, prompt_ids, *args, **kwargs)
+
+    def sample_with_lengths(logits, settings, uniforms=None):
+        lengths, t = now["lengths"], now["t"]
+        now["t"] += 1
+        alive = lengths > t
+        if logits.shape[0] == int(alive.sum()):  # eager: the rows still without EOS
+            forced = lengths[alive]
+        else:  # compiled: all rows, padding rows after the real ones
+            forced = torch.cat([lengths, lengths.new_zeros(logits.shape[0] - len(lengths))])
+        logits[:, eos] = float("-inf")
+        token, logp = real_sample(logits, settings, uniforms)
+        return torch.where(forced == t + 1, eos[0], token), logp
+
+    with (
+        mock.patch.object(decode, "decode", decode_with_lengths),
+        mock.patch.object(decode, "sample_tokens", sample_with_lengths),
+    ):
+        yield
+
+
+def timed_phases(task, record, checks):
+    """Patches that time train.py's loop from outside, the way gpu_check.PhaseTimer does: each wrapped function adds
+    (wall s, extra peak bytes, CPU s) to record[-1][its phase]; a step runs from data.batch_at (line 5) to
+    train.save_if_due (after the log line), whose checkpoint is skipped (TRL's side saves nothing either). `checks`
+    gets every step's Rollouts, to check and count its completion tokens."""
+    clock = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with phase(record[-1], name, accumulate=True):
+                out = fn(*args, **kwargs)
+            if name == "generate":
+                checks.append(out)
+            return out
+
+        return wrapper
+
+    def step_begins(*args, **kwargs):
+        record.append({})
+        clock["t0"], clock["c0"] = time.perf_counter(), time.process_time()
+        return real_batch_at(*args, **kwargs)
+
+    def step_ends(*args, **kwargs):
+        record[-1]["step"] = (
+            time.perf_counter() - clock["t0"],
+            max(v[1] for v in record[-1].values()),
+            time.process_time() - clock["c0"],
         )
-    with phase(record, "rewards"):  # 8 and 9: rewards and group-relative advantages
-        reward, _ = rewards.score(task_rewards, rollouts.texts, answers)
-        advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
-    mask = rollouts.completion_mask
-    if mask.sum(1).tolist() != expected_lengths(lengths, a.max_new_tokens):
-        raise RuntimeError(
-            f"completion lengths {mask.sum(1).tolist()} are not the forced ones {lengths.tolist()}"
-        )
-    micro = a.batch_size * G
-    with phase(record, "ref+old logps"):  # π_ref's log-probs (only when beta > 0)
-        ref_logps = (
-            None if ref_model is None else train.frozen_logps(ref_model, rollouts, micro, amp)
-        )
-    # 10-11: mu updates; iteration 1's log-probs are π_old's
-    with phase(record, "policy fwd+bwd+opt"):
-        old_logps = None
-        for _ in range(a.num_iterations):
-            _, logps = train.policy_update(
-                model,
-                optimizer,
-                scheduler,
-                rollouts,
-                advantages,
-                old_logps,
-                ref_logps,
-                objective=objective,
-                micro_batch_size=micro,
-                amp=amp,
-            )
-            old_logps = logps if a.num_iterations > 1 and old_logps is None else old_logps
-    return int(mask.sum())
+
+    real_batch_at = data.batch_at
+    return [
+        mock.patch.object(data, "batch_at", step_begins),
+        mock.patch.object(sampling, "sample_rollouts", timed("generate", sampling.sample_rollouts)),
+        mock.patch.object(task, "score", timed("rewards", task.score)),
+        mock.patch.object(train, "frozen_logps", timed("ref+old logps", train.frozen_logps)),
+        mock.patch.object(train, "policy_update", timed("policy fwd+bwd+opt", train.policy_update)),
+        mock.patch.object(train, "save_if_due", step_ends),
+        mock.patch.object(report, "curves", lambda *a, **k: None),
+    ]
+
+
+def loop_flags(a, output_dir):
+    """train.py's flags for the step bench.py and TRL's side both run (trl_config: the same settings)."""
+    return [
+        *("--steps", a.warmup + a.steps, "--batch-size", a.batch_size),
+        *(
+            "--gradient-accumulation-steps",
+            1,
+            "--micro-batch-size",
+            a.batch_size * a.num_generations,
+        ),
+        *("--num-generations", a.num_generations, "--max-new-tokens", a.max_new_tokens),
+        *("--temperature", a.temperature, "--top-k", a.top_k, "--top-p", a.top_p),
+        *("--beta", a.beta, "--num-iterations", a.num_iterations, "--epsilon", 0.2),
+        *("--loss-type", "grpo", "--scale-rewards", "group", "--lr", a.lr),
+        *("--lr-scheduler", "constant", "--warmup-steps", 0, "--weight-decay", 0.0),
+        *("--max-grad-norm", 1.0, "--dtype", a.dtype, "--device", DEVICE),
+        *(["--compile", a.compile] if a.compile else []),
+        *("--eval-every", -1, "--sample-every", 0, "--output-dir", output_dir),
+    ]
 
 
 def worker_ours(a):
-    """b. (and c.'s side A): warm-up step(s), then a.steps timed steps of our loop."""
+    """b. (and c.'s side A): train.train itself, a.warmup + a.steps steps on random prompts, every phase timed from
+    outside (timed_phases) and the completion lengths forced as TRL's side forces them."""
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
     start = checksum(model)
-    model.to(DEVICE)
-    # None when beta == 0
-    ref_model = models.reference_model(model, a.beta, sampling.AUTOCAST_DTYPE[a.dtype], DEVICE)
-    if a.compile:  # as train.build_run does for --compile
-        for m in [model] + ([ref_model] if ref_model is not None else []):
-            sampling.compile_model(m, a.compile)
-    model.train()
-    optimizer = train.build_optimizer(model, a.lr, weight_decay=0.0)
-    scheduler = get_scheduler("constant", optimizer)
-    task_rewards = rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS))
-    B = a.batch_size
-    prompts = build_prompts((a.warmup + a.steps) * B, a.prompt_len, model.config.vocab_size)
+    n, B = a.warmup + a.steps, a.batch_size
+    prompts = build_prompts(n * B, a.prompt_len, model.config.vocab_size)
+    task = data.Task(
+        train=[{"prompt": p, "answer": "42"} for p in prompts],
+        eval=[],
+        template=lambda tokenizer, question: question,  # the prompt as it is: a.prompt_len tokens
+        rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS)),
+    )
     lengths = forced_lengths(a)
-    steps, tokens = [], []
-    for i in range(a.warmup + a.steps):
-        record = {}
-        answers = ["42"] * (B * a.num_generations)
-        t0, c0 = time.perf_counter(), time.process_time()
-        tokens.append(
-            our_step(
-                model,
-                ref_model,
-                tokenizer,
-                optimizer,
-                scheduler,
-                prompts[i * B : (i + 1) * B],
-                answers,
-                task_rewards,
-                a,
-                record,
-                lengths[i].to(DEVICE),
-            )
-        )
-        record["step"] = (
-            time.perf_counter() - t0,
-            max(v[1] for v in record.values()),
-            time.process_time() - c0,
-        )
-        steps.append(record)
+    record, rollouts = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_ours_") as tmp, contextlib.ExitStack() as stack:
+        args = config.parse_args([str(x) for x in loop_flags(a, tmp)])
+        for patch in timed_phases(task, record, rollouts):
+            stack.enter_context(patch)
+        stack.enter_context(forced_lengths_in_decode(lengths, demo.EOS))
+        torch.manual_seed(0)
+        train.train(args, task, model, tokenizer)
+    made = [r.completion_mask.sum(1).tolist() for r in rollouts]
+    if made != [expected_lengths(row, a.max_new_tokens) for row in lengths]:
+        raise RuntimeError(f"completion lengths {made} are not the forced ones {lengths.tolist()}")
+    tokens = [sum(row) for row in made]
     return dict(
         checksum=start,
         tokens=statistics.median(tokens[a.warmup :]),
-        first=steps[0]["step"][0],
-        steps=steps[a.warmup :],
+        first=record[0]["step"][0],
+        steps=record[a.warmup :],
         peak_bytes=PEAK[0],
     )
 
@@ -764,19 +790,22 @@ def bench_rollout(a):
         os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl"
     )
     prompts = [
-        data.build_prompt(tokenizer, row["question"])
+        data.build_prompt(tokenizer, row["prompt"])
         for row in data.load_gsm8k(path=gsm8k)[: a.batch_size]
     ]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
-    lengths = torch.full((a.batch_size * a.num_generations,), a.max_new_tokens + 1, device=DEVICE)
+    # an EOS after max_new tokens: never
+    n = a.warmup + a.steps
+    lengths = torch.full((n, a.batch_size * a.num_generations), a.max_new_tokens + 1)
     torch.manual_seed(0)
     times = []
-    for _ in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        rollouts = sampling.sample_rollouts(
-            model, tokenizer, prompts, settings, a.num_generations, lengths=lengths
-        )
-        times.append(time.perf_counter() - t0)
+    with forced_lengths_in_decode(lengths, sampling.eos_token_ids(model, tokenizer)):
+        for _ in range(n):
+            t0 = time.perf_counter()
+            rollouts = sampling.sample_rollouts(
+                model, tokenizer, prompts, settings, a.num_generations
+            )
+            times.append(time.perf_counter() - t0)
     tokens = int(rollouts.completion_mask.sum())
     seconds = statistics.median(times[a.warmup :])
     print(

@@ -6,7 +6,7 @@ lives in the openai/grade-school-math GitHub repository (MIT license).
 
 How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed, s), a pure
 function of the step, so a resumed run continues with exactly the batches it would have seen (no iterator
-state to save); each row's question goes through task.template, and its answer (the reference number) is
+state to save); each row's prompt (a GSM8K question) goes through task.template, and its answer (the reference number) is
 repeated G times beside the G completions that the reward functions score.
 """
 
@@ -29,21 +29,22 @@ from errors import UserError
 class Task:
     """What train() learns from. The demo, GSM8K and your own task enter the same way."""
 
-    # Rows {"question": the prompt's text, "answer": the reference the reward functions compare with, and
-    # optionally "fields": {the row's other fields}}.
+    # Rows {"prompt": the row's own text (a GSM8K question, your task's --prompt-field), "answer": the reference
+    # the reward functions compare with, and optionally "fields": {the row's other fields}}.
     train: list
     # Held-out rows of the same form ([] when evaluation is off).
     eval: list
-    # (tokenizer, question) -> the prompt's text (a chat template around the question, say).
+    # (tokenizer, a row's prompt) -> the text around it (a chat template, say).
     template: Callable
     # [rewards.Reward]
     rewards: list
     # Written at the start of every reply, e.g. "<think>\n": the policy continues after it.
     response_prefix: str = ""
 
-    def prompt(self, tokenizer, question):
-        """The text the policy continues: the template around the question, then the response prefix."""
-        return self.template(tokenizer, question) + self.response_prefix
+    def prompt(self, tokenizer, text):
+        """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then the response
+        prefix."""
+        return self.template(tokenizer, text) + self.response_prefix
 
     def responses(self, completions):
         """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
@@ -64,7 +65,7 @@ class Task:
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
             for name in self.field_names
         }
-        columns["prompts"] = [row["question"] for row in rows]
+        columns["prompts"] = [row["prompt"] for row in rows]
         if lengths is not None:
             columns["completion_lengths"] = [int(n) for n in lengths]
         return rewards.score(
@@ -113,7 +114,7 @@ def _download(split: str) -> str:
 
 
 def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
-    """Load GSM8K as a list of {"question": str, "answer": str}, where answer is the final number.
+    """Load GSM8K as a list of rows {"prompt": its question, "answer": str}, where answer is the final number.
 
     `path` is a local JSONL file in GSM8K's format; without it the official `split` ("train" or
     "test") is downloaded into CACHE_DIR once and read from there afterwards. The answer is the text
@@ -134,12 +135,12 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
         final = row["answer"].split("####")[-1].strip().replace(",", "")
         if not _GOLD.fullmatch(final):
             raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
-        rows.append({"question": row["question"], "answer": final})
+        rows.append({"prompt": row["question"], "answer": final})
     return rows
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    """Your own task's rows from any JSONL file, taken as they are: {"question": row[prompt_field] (a string),
+    """Your own task's rows from any JSONL file, taken as they are: {"prompt": row[prompt_field] (a string),
     "answer": row[answer_field] (any JSON value), "fields": every other field}. Errors as in load_gsm8k."""
     rows = []
     for where, row in read_jsonl(path):
@@ -163,7 +164,7 @@ def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "ans
                 f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
                 "from train.py; rename the field"
             )
-        rows.append({"question": row[prompt_field], "answer": row[answer_field], "fields": others})
+        rows.append({"prompt": row[prompt_field], "answer": row[answer_field], "fields": others})
     return rows
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 
-def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
+def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
     """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the longest. decode()
     where uses_lean_decode() allows; otherwise one generate() call (num_return_sequences=G, or the G best of K
     beams). In the autocast the caller set up, if any (sampling.sample_rollouts: the run's compute dtype)."""
@@ -29,14 +29,8 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
     model.eval()
     with torch.no_grad():
         if uses_lean_decode(model, settings):
-            out = decode(
-                model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths
-            )[0]
+            out = decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
         else:
-            if lengths is not None:
-                raise ValueError(
-                    "forced completion lengths are decode()'s (bench.py); this model runs generate()"
-                )
             beams = settings.num_beams > 1
             # 0: greedy
             processors = LogitsProcessorList(
@@ -67,18 +61,16 @@ def uses_lean_decode(model, settings):
 
 
 @torch.no_grad()
-def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, lengths=None):
-    """The lean decode path, a short loop over the model's forward in place of generate(): ([B*G, C] completions,
-    pad after EOS, C <= max_new_tokens the longest; [B*G, C] the log-prob each token was drawn with, 0 after EOS).
+def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
+    """The lean decode path, a short loop over the model's forward in place of generate(): [B*G, C] completions, pad
+    after EOS, C <= max_new_tokens the longest.
       - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never grown by
         concatenation;
       - each prompt is prefilled once, and its cache copied to its G rows;
       - tokens are drawn among the top-k / top-p survivors only (sample_tokens);
       - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished rows cost nothing.
         Compiled (compile_model), shapes stay fixed instead: the rows are padded to a planned count (plan_decode),
-        and finished rows run on, writing pad, until all are done.
-    lengths: bench.py's forced completion lengths, [B*G]: row i's EOS is its lengths[i]-th token and never comes
-    earlier (a length over max_new_tokens: no EOS at all). None in training."""
+        and finished rows run on, writing pad, until all are done."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
     if compiled is None:
@@ -110,23 +102,16 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
     cache = _grouped_cache(net, prefill, group, None if compiled is None else compiled.caches)
     logits, mask, position = logits[group], mask[group], positions[group, -1:] + 1
     completions = torch.full((R, C), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(R, C, device=device)
     rows = torch.arange(R, device=device)  # the rows still in the batch
     done = torch.arange(R, device=device) >= n  # compiled: rows past their EOS (padding: all)
-    eos = torch.tensor(eos_ids, device=device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     for t in range(C):
-        if lengths is not None:  # bench.py: EOS where it says
-            logits[:, eos] = float("-inf")
         # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the same samples.
         uniforms = torch.cat(
             [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
         )
-        token, logp = sample_tokens(logits, settings, uniforms[rows])
-        if lengths is not None:
-            forced = torch.cat([lengths, lengths.new_zeros(R - n)])
-            token = torch.where(forced[rows] == t + 1, eos[0], token)
+        token = sample_tokens(logits, settings, uniforms[rows])[0]
         completions[rows, t] = token.masked_fill(done, pad_id)
-        logps[rows, t] = logp.masked_fill(done, 0.0)
         ended = torch.isin(token, eos)
         if compiled is not None:
             done |= ended
@@ -144,7 +129,7 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
             break
         logits = step(token[:, None], mask, position, cache)
         position = position + 1
-    return completions[:n, : t + 1], logps[:n, : t + 1]
+    return completions[:n, : t + 1]
 
 
 def sample_tokens(logits, settings, uniforms=None):

@@ -77,7 +77,7 @@ def setup(seed, warmup_steps, target_accuracy):
     torch.set_num_threads(1)
     model, tokenizer = model_and_tokenizer(seed)
     problems = [
-        {"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)
+        {"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)
     ]
     steps = warmup(model, tokenizer, problems, seed, warmup_steps, target_accuracy)
     print(
@@ -97,7 +97,7 @@ def setup(seed, warmup_steps, target_accuracy):
 def examples(tokenizer, problems):
     """Token ids [100, 7] of the right completions "a + b = <answer> a+b </answer> <eos>" (3 prompt + 4 completion
     tokens, no padding) and labels with the prompt masked out (-100)."""
-    texts = [f"{p['question']} <answer> {p['answer']} </answer> <eos>" for p in problems]
+    texts = [f"{p['prompt']} <answer> {p['answer']} </answer> <eos>" for p in problems]
     ids = tokenizer(texts, return_tensors="pt", add_special_tokens=False)["input_ids"]
     labels = ids.clone()
     labels[:, :3] = -100

@@ -367,7 +367,7 @@ def decode_check(model, tokenizer, task, args, opts, meter):
         raise config.UserError(
             f"--rows {opts.rows} must be a multiple of G = {G}, at most {G * len(task.train)}"
         )
-    prompts = [task.prompt(tokenizer, row["question"]) for row in task.train[: opts.rows // G]]
+    prompts = [task.prompt(tokenizer, row["prompt"]) for row in task.train[: opts.rows // G]]
     # [rows / G, P]
     ids, mask = sampling.tokenize_prompts(tokenizer, prompts, torch.device(args.device))
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
@@ -376,10 +376,8 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     eos, amp = sampling.eos_token_ids(model, tokenizer), sampling.AUTOCAST_DTYPE[args.dtype]
 
     def generate():  # as sample_rollouts runs it: under the run's autocast
-        with sampling.autocast(ids.device, amp):
-            return decode.generate(
-                model, ids, mask, settings, G, eos, tokenizer.pad_token_id, lengths=lengths
-            )
+        with sampling.autocast(ids.device, amp), bench.forced_lengths_in_decode([lengths], eos):
+            return decode.generate(model, ids, mask, settings, G, eos, tokenizer.pad_token_id)
 
     result = dict(
         rows=opts.rows,

@@ -72,9 +72,8 @@ class Rollouts:
         return self.attention_mask[:, self.prompt_length :].sum(1)
 
 
-def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, lengths=None):
-    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device. lengths:
-    bench.py's forced completion lengths (decode()); None in training."""
+def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None):
+    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     # [B, P]
@@ -90,7 +89,6 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, l
             group_size,
             eos,
             tokenizer.pad_token_id,
-            lengths,
         )  # [B*G, C]
     mask = grpo.completion_mask(completion_ids, eos)  # [B*G, C]
     attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)

@@ -41,9 +41,9 @@ def test_load_gsm8k_parses_final_numbers_with_commas_and_negatives(tmp_path):
         + gsm8k_line("What is the change in temperature?", "It falls 3 degrees.\n#### -3"),
     )
     assert load_gsm8k(path=path) == [
-        {"question": "How many clips?", "answer": "72"},
-        {"question": "How much money?", "answer": "1234"},
-        {"question": "What is the change in temperature?", "answer": "-3"},
+        {"prompt": "How many clips?", "answer": "72"},
+        {"prompt": "How much money?", "answer": "1234"},
+        {"prompt": "What is the change in temperature?", "answer": "-3"},
     ]
 
 
@@ -91,8 +91,8 @@ def test_load_gsm8k_downloads_once_then_reuses_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data, "CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(data.urllib.request, "urlopen", fake_urlopen)
-    assert load_gsm8k("test") == [{"question": "q", "answer": "1000"}]
-    assert load_gsm8k("test") == [{"question": "q", "answer": "1000"}]
+    assert load_gsm8k("test") == [{"prompt": "q", "answer": "1000"}]
+    assert load_gsm8k("test") == [{"prompt": "q", "answer": "1000"}]
     assert calls == [data.GSM8K_URL.format(split="test")]
     assert os.listdir(tmp_path / "cache") == ["test.jsonl"]  # no temporary file left behind
 
@@ -180,7 +180,7 @@ def test_batches_shuffle_each_epoch_and_cover_every_row_once():
 
 
 def test_batches_depend_on_seed_and_step_alone_so_a_resumed_run_sees_the_same_ones():
-    rows = [{"question": str(i), "answer": str(i)} for i in range(25)]
+    rows = [{"prompt": str(i), "answer": str(i)} for i in range(25)]
     straight = [batch_at(rows, 4, 7, step) for step in range(12)]
     # a fresh process, from step 5
     resumed = [batch_at(list(rows), 4, 7, step) for step in range(5, 12)]
@@ -213,8 +213,8 @@ def test_any_jsonl_is_read_with_its_fields_as_they_are(tmp_path):
         [{"q": "Say hi", "gold": {"any": ["json"]}, "level": 3}, {"q": "Say bye", "gold": 7}],
     )
     assert data.load_jsonl(path, "q", "gold") == [
-        {"question": "Say hi", "answer": {"any": ["json"]}, "fields": {"level": 3}},
-        {"question": "Say bye", "answer": 7, "fields": {}},
+        {"prompt": "Say hi", "answer": {"any": ["json"]}, "fields": {"level": 3}},
+        {"prompt": "Say bye", "answer": 7, "fields": {}},
     ]
 
 
@@ -260,7 +260,7 @@ def test_your_own_task_evaluates_on_eval_data_with_the_same_fields_and_never_dow
     )
     args = config.parse_args(own_task_argv(tmp_path, "--eval-every", "0", "--eval-data", held_out))
     assert data.task_from_flags(args).eval == [
-        {"question": "9 + 1 =", "answer": "10", "fields": {"id": 9}}
+        {"prompt": "9 + 1 =", "answer": "10", "fields": {"id": 9}}
     ]
     with pytest.raises(
         config.UserError, match="--eval-only on your own task needs its held-out rows"

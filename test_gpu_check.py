@@ -73,7 +73,7 @@ def kit(tmp_path_factory):
 def test_prepare_keeps_the_tokenizer_and_the_first_64_train_32_test_rows(kit):
     for split, n in (("train", 64), ("test", 32)):
         rows = data.load_gsm8k(path=os.path.join(kit, "gsm8k", f"{split}.jsonl"))
-        assert len(rows) == n and rows[0]["question"] == gsm8k_rows(1)[0]["question"]
+        assert len(rows) == n and rows[0]["prompt"] == gsm8k_rows(1)[0]["question"]
     tokenizer = gpu_check.load_kit_tokenizer(kit)
     assert len(tokenizer) == 2048 and tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.padding_side == "left" and tokenizer.pad_token == "<pad>"

@@ -277,7 +277,7 @@ def test_eval_means_and_pass_at_k_worked_example():
 
     task = data.Task(
         train=[],
-        eval=[{"question": f"{i} + 1 =", "answer": "0"} for i in range(3)],
+        eval=[{"prompt": f"{i} + 1 =", "answer": "0"} for i in range(3)],
         template=lambda tokenizer, question: question,
         rewards=rewards.weighted(
             [("correctness", hits), ("format", lambda c, a: [0.1] * len(c))], [1.0, 0.5]
@@ -306,7 +306,7 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     seen = []
     task = data.Task(
         train=[],
-        eval=[{"question": "3 + 4 =", "answer": "7"}],
+        eval=[{"prompt": "3 + 4 =", "answer": "7"}],
         template=lambda tokenizer, q: q,
         rewards=[rewards.Reward("seen", lambda c, a: seen.extend(c) or [0.0] * len(c), 1.0)],
     )

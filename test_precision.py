@@ -29,6 +29,7 @@ import rewards  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
 from conftest import (  # noqa: E402
+    decode_with_drawn_logprobs,
     read_metrics,
     run_tiny,
     tiny_argv,
@@ -51,7 +52,7 @@ def sure_model():
 
 def greedy_rollouts(model, tokenizer, task, amp, num_beams=1, group_size=1):
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6, num_beams=num_beams)
-    prompts = [task.prompt(tokenizer, row["question"]) for row in task.eval]
+    prompts = [task.prompt(tokenizer, row["prompt"]) for row in task.eval]
     return sampling.sample_rollouts(model, tokenizer, prompts, settings, group_size, amp)
 
 
@@ -100,7 +101,9 @@ def test_decode_log_probs_under_autocast_are_within_rounding_of_fp32(dtype):
     mask = torch.ones_like(prompts)
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=10)
     with sampling.autocast("cpu", LOW[dtype]):
-        completions, drawn = decode.decode(model, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
+        completions, drawn = decode_with_drawn_logprobs(
+            model, prompts, mask, settings, 4, [demo.EOS], demo.PAD
+        )
     ids = torch.cat([prompts.repeat_interleave(4, 0), completions], dim=1)
     keep = grpo.completion_mask(completions, [demo.EOS])
     attention = torch.cat([mask.repeat_interleave(4, 0), keep], dim=1)
@@ -138,7 +141,7 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
     def decode_with(net):
         torch.manual_seed(1)
         with sampling.autocast("cpu", torch.bfloat16):
-            return decode.decode(net, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
+            return decode_with_drawn_logprobs(net, prompts, mask, settings, 4, [demo.EOS], demo.PAD)
 
     eager = decode_with(model)
     twin, pairs = decode.decode_twin(model, torch.bfloat16)
@@ -478,10 +481,10 @@ def test_cuda_compiled_decode_with_cuda_graphs_equals_the_eager_decode(sure_mode
     )
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6)
     with sampling.autocast("cuda", torch.bfloat16):
-        eager = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
+        eager = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
         sampling.compile_model(model)
         for _ in range(3):  # compiles, records the graph, replays it
-            compiled = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)[0]
+            compiled = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
     assert torch.equal(compiled, eager)
 
 

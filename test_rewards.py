@@ -369,8 +369,8 @@ def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_w
         return [2.0] * len(completions)
 
     rows = [
-        {"question": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
-        {"question": "q1", "answer": [2], "fields": {"id": 8}},
+        {"prompt": "q0", "answer": 1, "fields": {"id": 7, "tag": "a"}},
+        {"prompt": "q1", "answer": [2], "fields": {"id": 8}},
     ]
     task = data.Task(
         train=rows,
@@ -486,8 +486,8 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
         return [0.0] * len(completions)
 
     rows = [
-        {"question": "q0", "answer": 1, "fields": {"id": 7}},
-        {"question": "q1", "answer": 2, "fields": {}},
+        {"prompt": "q0", "answer": 1, "fields": {"id": 7}},
+        {"prompt": "q1", "answer": 2, "fields": {}},
     ]
     task = data.Task(
         train=rows,

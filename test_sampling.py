@@ -14,7 +14,7 @@ import decode
 import demo
 import grpo
 import sampling
-from conftest import left_padded_batch, tiny_llama
+from conftest import decode_with_drawn_logprobs, left_padded_batch, tiny_llama
 from sampling import token_logprobs
 
 
@@ -257,6 +257,8 @@ def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefil
 
 
 def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
+    import bench
+
     model = small_llama()
     ids, mask = left_padded_prompts([4, 6], 97)
     settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
@@ -266,7 +268,8 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
         lambda m, args: batches.append(args[0].shape[0])
     )
     torch.manual_seed(0)
-    out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD, lengths=lengths)
+    with bench.forced_lengths_in_decode([lengths], demo.EOS):  # bench.py's, from outside decode
+        out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS after it.
     assert batches == [2, 5, 4, 3, 3, 2, 2, 2]
     assert out.shape == (6, 8)
@@ -285,8 +288,9 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
 
 def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in_decode():
     # bench.py --real-length: TRL's side samples with transformers' generate() and bench.ForcedLengths (through
-    # bench.force_lengths, which hands each generate call its step's lengths), ours with decode(lengths=...). Both must
-    # end every row where the lengths say (9 > 8 new tokens: cut off, no EOS).
+    # bench.force_lengths, which hands each generate call its step's lengths), ours with decode() inside
+    # bench.forced_lengths_in_decode. Both must end every row where the lengths say (9 > 8 new tokens: cut off, no
+    # EOS).
     import bench
 
     model = small_llama()
@@ -303,21 +307,83 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
         eos_token_id=demo.EOS,
         pad_token_id=demo.PAD,
     )
-    ours = decode.generate(
-        model,
-        ids,
-        mask,
-        sampling.Sampling(0.9, 50, 0.9, 8),
-        3,
-        [demo.EOS],
-        demo.PAD,
-        lengths=lengths,
-    )
+    with bench.forced_lengths_in_decode([lengths], demo.EOS):
+        ours = decode.generate(
+            model, ids, mask, sampling.Sampling(0.9, 50, 0.9, 8), 3, [demo.EOS], demo.PAD
+        )
     for completions in (hf[:, 5:], ours):
         assert grpo.completion_mask(completions, [demo.EOS]).sum(1).tolist() == [3, 8, 1, 8, 5, 2]
         assert (
             completions == demo.EOS
         ).sum().item() == 5  # EOS only where forced: every row but the 9's
+
+
+def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
+    # Compiled, decode keeps every planned row in the batch (here 8 for 6 real rows): the rows that
+    # bench.forced_lengths_in_decode forces are the real ones, padding rows never written out. Same lengths as eager.
+    import bench
+
+    model = small_llama()
+    ids, mask = left_padded_prompts([4, 6], 97)
+    settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
+    lengths = torch.tensor([3, 8, 1, 9, 5, 2])
+    sampling.compile_model(model, "aot_eager")
+    decode.plan_decode(model, rows=[8], length=6 + 8)
+    with bench.forced_lengths_in_decode([lengths], demo.EOS):
+        out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    assert out.shape == (6, 8)
+    assert grpo.completion_mask(out, [demo.EOS]).sum(1).tolist() == [3, 8, 1, 8, 5, 2]
+
+
+def test_bench_times_the_loop_itself(tmp_path):
+    # bench.py --step (and --vs-trl's side A) runs train.train, not a copy of its step: 2 steps of the tiny config
+    # with forced real lengths call train's own policy_update twice and frozen_logps twice (beta > 0), and the phases
+    # and completion tokens it reports are those calls'.
+    import argparse
+    from unittest import mock
+
+    import bench
+    import train
+
+    a = argparse.Namespace(
+        config="tiny",
+        batch_size=1,
+        num_generations=4,
+        prompt_len=8,
+        max_new_tokens=16,
+        steps=1,
+        warmup=1,
+        real_length=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.04,
+        num_iterations=1,
+        lr=1e-5,
+        dtype="fp32",
+        compile=None,
+    )
+    calls = collections.Counter()
+
+    def spy(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    with (
+        mock.patch.object(train, "policy_update", spy("update", train.policy_update)),
+        mock.patch.object(train, "frozen_logps", spy("ref", train.frozen_logps)),
+        mock.patch.object(bench, "DEVICE", "cpu"),
+    ):
+        result = bench.worker_ours(a)
+    assert calls == {"update": 2, "ref": 2}
+    lengths = bench.forced_lengths(a)  # [2, 4]: seed 0, in [16 / 8, 16]
+    assert result["tokens"] == int(lengths[1].clamp(max=16).sum())
+    (step,) = result["steps"]
+    assert set(step) == {"generate", "rewards", "ref+old logps", "policy fwd+bwd+opt", "step"}
+    assert step["step"][0] >= sum(step[k][0] for k in step if k != "step")
 
 
 def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
@@ -328,7 +394,9 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
     ids, mask = left_padded_prompts([7, 4, 2], 97)
     settings = sampling.Sampling(temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=40)
     torch.manual_seed(0)
-    completions, drawn = decode.decode(model, ids, mask, settings, 4, [demo.EOS], demo.PAD)
+    completions, drawn = decode_with_drawn_logprobs(
+        model, ids, mask, settings, 4, [demo.EOS], demo.PAD
+    )
     completion_mask = grpo.completion_mask(completions, [demo.EOS])
     # rows of several lengths: some left the batch early
     assert len(set(completion_mask.sum(1).tolist())) > 2

@@ -66,7 +66,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             rows = distributed.my_share(batch)
             # 6: π_old ← π_θ. π_old is only ever used through its log-probs of the outputs of 7 (see 10).
             # q: the prompt, then any response prefix.
-            prompts = [task.prompt(tokenizer, row["question"]) for row in rows]
+            prompts = [task.prompt(tokenizer, row["prompt"]) for row in rows]
             # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)
             # 8: compute the rewards r_i of each o_i: [B*G] in all, and {name: [B*G]} per function.
@@ -123,7 +123,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             metrics = report.step_metrics(*gathered, G, updates, times, steps_left, run.scheduler)
             metrics.update(dynamic)
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
-            first = task.prompt(tokenizer, rows[0]["question"])
+            first = task.prompt(tokenizer, rows[0]["prompt"])
             responses = task.responses(rollouts.texts)
             report.print_sample(args, step + 1, first, responses, reward[0], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(
@@ -166,7 +166,7 @@ def decode_length(task, tokenizer, model, settings):
 
 def longest_prompt(task, tokenizer, limit):
     """The most tokens any prompt of the run has, training and held-out rows, at most `limit` (where they are cut)."""
-    prompts = [task.prompt(tokenizer, row["question"]) for row in task.train + task.eval]
+    prompts = [task.prompt(tokenizer, row["prompt"]) for row in task.train + task.eval]
     longest = max(tokenizer(prompts, add_special_tokens=False, return_length=True)["length"])
     return longest if limit is None else min(longest, limit)
 
@@ -443,7 +443,7 @@ def fill_with_spread(run, task, args, step, rows, rollouts, reward, per_fn):
         extra = sampling.sample_rollouts(
             run.model,
             run.tokenizer,
-            [task.prompt(run.tokenizer, r["question"]) for r in more],
+            [task.prompt(run.tokenizer, r["prompt"]) for r in more],
             settings,
             G,
             amp,
@@ -586,7 +586,7 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             if not chunk and not decode.is_sharded(model):
                 break
             # FSDP2: join in
-            prompts = [task.prompt(tokenizer, row["question"]) for row in chunk or every[:1]]
+            prompts = [task.prompt(tokenizer, row["prompt"]) for row in chunk or every[:1]]
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, samples, amp)
             if chunk:
                 total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
