@@ -13,6 +13,7 @@ repeated G times beside the G completions that the reward functions score.
 import functools
 import json
 import os
+import random
 import re
 import tempfile
 import urllib.request
@@ -40,6 +41,8 @@ class Task:
     rewards: list
     # Written at the start of every reply, e.g. "<think>\n": the policy continues after it.
     response_prefix: str = ""
+    # response -> the answer it gives (a string) or None, for maj@k in evaluation; None: no maj@k.
+    extract_answer: Callable | None = None
 
     def prompt(self, tokenizer, text):
         """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then the response
@@ -227,11 +230,52 @@ def chat_prompt(tokenizer, user: str, system_prompt: str = "", plain_end: str = 
     )
 
 
+# --task addition: "What is A + B?" for two-digit A, B in [10, 49], a skill SmolLM2-135M-Instruct has but uses
+# unreliably (docs/results.md). All 820 unordered pairs {A, B} are shuffled with ADDITION_SEED: the first 200 are
+# held out (one question each, its order drawn by the same generator), the other 620 are trained on in both orders
+# (1,209 questions), so no held-out pair is trained on in either order.
+ADDITION_SEED = 0
+ADDITION_RANGE = (10, 49)
+ADDITION_HELD_OUT = 200
+
+
+def addition_rows(seed=ADDITION_SEED, low=ADDITION_RANGE[0], high=ADDITION_RANGE[1], held_out=None):
+    """(train rows, held-out rows) of the addition task: {"prompt": "What is A + B?", "answer": "A+B"}, generated
+    from `seed` alone (Python's random.Random), the same on every machine and every run."""
+    held_out = ADDITION_HELD_OUT if held_out is None else held_out
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    rng.shuffle(pairs)
+
+    def row(a, b):
+        return {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+
+    test = [row(*(pair if rng.random() < 0.5 else pair[::-1])) for pair in pairs[:held_out]]
+    train = [row(x, y) for a, b in pairs[held_out:] for x, y in sorted({(a, b), (b, a)})]
+    return train, test
+
+
+def addition_task():
+    """--task addition: the generated rows in the chat template with no system prompt, scored by the last number of
+    the completion (rewards.last_number_reward), whose answer is that number (maj@k)."""
+    train, test = addition_rows()
+    return Task(
+        train=train,
+        eval=test,
+        template=functools.partial(chat_prompt, system_prompt=""),
+        rewards=rewards.weighted([("correctness", rewards.last_number_reward)], [1.0]),
+        extract_answer=rewards.last_number,
+    )
+
+
 def task_from_flags(args):
     """The task that --data describes, with its default rewards (rewards.from_flags applies --reward-fn etc.):
     GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or, with --prompt-field or
     --answer-field, any JSONL (rows as they are, no system prompt unless --system-prompt). Held-out rows come from
-    --eval-data; for GSM8K without it, test.jsonl beside --data (or the official test split)."""
+    --eval-data; for GSM8K without it, test.jsonl beside --data (or the official test split). --task addition:
+    its generated rows (addition_task)."""
+    if args.task == "addition":
+        return addition_task()
     custom = args.prompt_field is not None or args.answer_field is not None
     need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
     eval_path = args.eval_data
@@ -274,6 +318,7 @@ def task_from_flags(args):
         else [],
         template=prompt,
         rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]),
+        extract_answer=None if custom else rewards.extract_answer,
     )
 
 

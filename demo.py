@@ -90,6 +90,7 @@ def setup(seed, warmup_steps, target_accuracy):
         eval=problems,
         template=lambda tokenizer, question: question,
         rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
+        extract_answer=rewards.extract_answer,
     )
     return model, tokenizer, task
 

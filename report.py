@@ -113,6 +113,17 @@ def curves(output_dir):
             ms=7,
             label=f"{name} (eval)",
         )
+        # maj@k and pass@k of the same evaluations (DeepSeekMath's Figure 7 pair)
+        for prefix, style in ((f"eval/{name}_maj@", "s:"), (f"eval/{name}_pass@", "^:")):
+            for key in sorted({k for row in evals for k in row if k.startswith(prefix)}):
+                ax.plot(
+                    [row["step"] for row in evals if key in row],
+                    [row[key] for row in evals if key in row],
+                    style,
+                    color=color,
+                    ms=6,
+                    label=f"{key[len('eval/') :]} (eval)",
+                )
     ax.set(title="reward per function", ylabel="mean reward")
     ax.legend(fontsize=7)
     panels = [

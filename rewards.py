@@ -96,6 +96,17 @@ def extract_answer(completion: str) -> str | None:
     return None if last is None else _number_text(last)
 
 
+def last_number(completion: str) -> str | None:
+    """The last number anywhere in the completion, as canonical text (as extract_answer reads numbers), else None:
+    "12 + 30 = 42." -> "42". The answer of a task that asks for a number and no format (--task addition)."""
+    if not isinstance(completion, str):
+        return None
+    last = None
+    for last in _NUMBER.finditer(completion):  # keep the last match; linear in len(completion)
+        pass
+    return None if last is None else _number_text(last)
+
+
 def _parse_reference(answer) -> Decimal | None:
     """A reference answer ("18", "1,234", "-3", "0.5", or an int) as a Decimal, or None if it is not a number."""
     match = _NUMBER.fullmatch(str(answer).strip())
@@ -105,9 +116,18 @@ def _parse_reference(answer) -> Decimal | None:
 
 def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 where the extracted answer equals the reference number (18 == "18.00" == "$18"), else 0.0."""
+    return _same_number(map(extract_answer, completions), answers)
+
+
+def last_number_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the last number of the completion equals the reference number, else 0.0 (--task addition)."""
+    return _same_number(map(last_number, completions), answers)
+
+
+def _same_number(predictions, answers):
     rewards = []
-    for completion, answer in zip(completions, answers, strict=True):
-        predicted, reference = extract_answer(completion), _parse_reference(answer)
+    for predicted, answer in zip(predictions, answers, strict=True):
+        reference = _parse_reference(answer)
         same = predicted is not None and reference is not None and Decimal(predicted) == reference
         rewards.append(1.0 if same else 0.0)
     return rewards
@@ -167,23 +187,27 @@ def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int)
 
 # The rewards that fit the contract, by the names train.py uses for flags and logging.
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}
+# --extract-answer's built-ins: the answer a completion gives, for maj@k
+ANSWER_EXTRACTORS = {"gsm8k": extract_answer, "last-number": last_number}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Your own rewards: --reward-fn MODULE:FUNCTION and --reward-model PATH_OR_ID, and score(), which calls them all.
 
 
-def load_reward_fn(spec):
+def load_reward_fn(spec, flag="--reward-fn", builtins=None):
     """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format) or MODULE:FUNCTION, imported
     with the working directory first on the import path (so my_rewards.py beside you works as my_rewards:brevity).
-    The function is logged under its own name. Anything that cannot work is a UserError now, not at step 1."""
-    if spec in REWARD_FUNCS:
-        return spec, REWARD_FUNCS[spec]
+    The function is logged under its own name. Anything that cannot work is a UserError now, not at step 1.
+    --extract-answer loads its function the same way (flag and builtins: its own)."""
+    builtins = REWARD_FUNCS if builtins is None else builtins
+    if spec in builtins:
+        return spec, builtins[spec]
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise UserError(
-            f"--reward-fn {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
-            f"brevity in ./my_rewards.py) or a built-in: {', '.join(REWARD_FUNCS)}."
+            f"{flag} {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
+            f"brevity in ./my_rewards.py) or a built-in: {', '.join(builtins)}."
         )
     if os.getcwd() not in sys.path[:1]:
         sys.path.insert(0, os.getcwd())
@@ -191,15 +215,14 @@ def load_reward_fn(spec):
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise UserError(f"--reward-fn {spec!r}: importing {module_name} failed: {e}.") from None
+            raise UserError(f"{flag} {spec!r}: importing {module_name} failed: {e}.") from None
         raise UserError(
-            f"--reward-fn {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
             f".py in the working directory ({os.getcwd()}) or on the import path."
         ) from None
     except Exception as e:  # a syntax error in the user's file, or an error it raises when imported
         raise UserError(
-            f"--reward-fn {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
-            f"{where(e)}."
+            f"{flag} {spec!r}: importing {module_name} raised {type(e).__name__}: {e}{where(e)}."
         ) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
@@ -207,7 +230,7 @@ def load_reward_fn(spec):
             n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
         )
         raise UserError(
-            f"--reward-fn {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
             f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
         )
     return fn_name, fn

@@ -275,3 +275,42 @@ def test_the_demo_refuses_data_flags_but_takes_reward_flags(tmp_path):
     train.main(tiny_argv(run_dir, "--reward-fn", "format"))
     (row,) = read_metrics(run_dir)
     assert "rewards/format" in row and "rewards/correctness" not in row
+
+
+# --- --task addition: generated, deterministic, held-out pairs never trained on ---------------------------------------
+
+
+def pair(row):
+    a, b = row["prompt"].removeprefix("What is ").removesuffix("?").split(" + ")
+    assert row["answer"] == str(int(a) + int(b))
+    return frozenset((int(a), int(b)))
+
+
+def test_addition_rows_are_deterministic_and_held_out_pairs_are_never_trained_on():
+    train_rows, held_out = data.addition_rows()
+    assert (train_rows, held_out) == data.addition_rows()  # the seed alone decides
+    # 820 unordered pairs in [10, 49]: 200 held out, 620 trained on in both orders (40 of them doubles: one order)
+    assert len(held_out) == 200 and len(train_rows) == 1209
+    assert len({pair(r) for r in train_rows}) == 620 and len({pair(r) for r in held_out}) == 200
+    assert not {pair(r) for r in train_rows} & {pair(r) for r in held_out}  # not even as B + A
+    numbers = {n for r in train_rows + held_out for n in pair(r)}
+    assert min(numbers) == 10 and max(numbers) == 49
+    # the first held-out questions, as generated from seed 0 (pinned: a change to the generator shows here)
+    assert [r["prompt"] for r in held_out[:3]] == [
+        "What is 34 + 22?",
+        "What is 41 + 28?",
+        "What is 42 + 44?",
+    ]
+    assert data.addition_rows(seed=1) != (train_rows, held_out)
+
+
+def test_task_addition_builds_its_task_and_refuses_a_data_file(tmp_path):
+    args = config.parse_args(["--task", "addition", "--device", "cpu"])
+    assert (args.max_new_tokens, args.eval_samples, args.eval_temperature) == (48, 8, 0.7)
+    task = data.task_from_flags(args)
+    assert (len(task.train), len(task.eval)) == (1209, 200)
+    assert [r.name for r in task.rewards] == ["correctness"]
+    assert task.extract_answer("34 + 22 = 56.") == "56"
+    assert task.prompt(demo.word_tokenizer(demo.WORDS), "What is 34 + 22?") == "What is 34 + 22?\n"
+    with pytest.raises(config.UserError, match="--task addition generates its own rows"):
+        config.parse_args(["--task", "addition", "--data", str(tmp_path / "x.jsonl")])

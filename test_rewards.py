@@ -659,3 +659,34 @@ def test_a_reward_model_must_load_as_a_classifier_with_one_output(tmp_path):
         rewards.RewardModel(tiny_reward_model_dir(tmp_path, num_labels=2))
     with pytest.raises(config.UserError, match="could not load it as a sequence classifier"):
         rewards.RewardModel(str(tmp_path / "no-such-model"))
+
+
+# --- --task addition: the last number of the completion ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("34 + 22 = 56", "56"),  # the last number, not the operands
+        ("The answer is 56.", "56"),  # a trailing period
+        ("56\n\nSo 34 + 22 is 56!", "56"),
+        ("It is $1,056.00", "1056"),  # commas, a dollar sign, zero decimals
+        ("-5", "-5"),
+        ("fifty-six", None),  # no digits
+        ("", None),
+        ("<answer>56</answer>", "56"),  # tags are fine too
+        ("٥٦", None),  # non-ASCII digits are not numbers here, as in extract_answer
+    ],
+)
+def test_last_number_reads_the_last_number_anywhere(completion, expected):
+    assert rewards.last_number(completion) == expected
+    assert rewards.last_number_reward([completion], ["56"]) == [1.0 if expected == "56" else 0.0]
+
+
+@pytest.mark.parametrize("completion", EXTREMES)
+def test_last_number_never_raises_on_garbage(completion):
+    answer = rewards.last_number(completion)
+    assert answer is None or isinstance(answer, str)
+    (reward,) = rewards.last_number_reward([completion], ["42"])
+    assert type(reward) is float and reward in (0.0, 1.0)
+    assert rewards.last_number_reward([completion], [None]) == [0.0]  # no reference: never right

@@ -12,6 +12,7 @@ The flags are in config.py, the math in grpo.py, generation and log-probs in sam
 checkpoints in checkpoint.py, the progress line and metrics.jsonl in report.py.
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -591,6 +592,11 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
             if chunk:
                 total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
                 chunks.append({**per_fn, "reward": total})
+                if task.extract_answer is not None and samples > 1:
+                    # each question's representative completion for maj@k: [questions]
+                    chunks[-1][MAJORITY] = majority_choices(
+                        task, task.responses(rollouts.texts), samples
+                    )
             if len(rows) > batch_size:  # a progress line per generate call
                 print(
                     f"  eval: {i + len(chunk)}/{len(rows)} questions, {report.format_seconds(time.time() - t0)}",
@@ -608,12 +614,57 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
     table = {
         name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]
     }
+    choice = table.pop(MAJORITY, None)  # [Q, k]: each row its index k times
     result = {name: r.mean().item() for name, r in table.items()}
     if samples > 1:
         result.update(
             {f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()}
         )
+    if choice is not None:
+        result.update(
+            {
+                f"{name}_maj@{samples}": r.gather(1, choice[:, :1]).mean().item()
+                for name, r in table.items()
+            }
+        )
     return result
+
+
+MAJORITY = "__majority__"  # evaluate's table: each question's maj@k completion
+
+
+def majority_choices(task, responses, k):
+    """For each question (k responses each, in order): the index of the response that stands for the answer most of
+    them give (maj@k, DeepSeekMath §5.2.2): [questions * k] long, each question's index k times. Answers come from task.extract_answer; a response
+    without one (None) does not vote. A tie goes to the answer given first; a question where no response gives an
+    answer is represented by its first response. maj@k of a reward is then that response's reward."""
+    answers = [extract(task.extract_answer, r) for r in responses]
+    # k copies per question, as the rewards are laid out
+    return torch.tensor(
+        [majority_index(answers[i : i + k]) for i in range(0, len(answers), k)]
+    ).repeat_interleave(k)
+
+
+def majority_index(answers):
+    """The index of the first of `answers` (strings or None) that is the most frequent non-None answer: ["7", None,
+    "8", "8", "7"] -> 0 (7 and 8 tie at two, 7 came first); [None, None] -> 0."""
+    counts = collections.Counter(a for a in answers if a is not None)
+    if not counts:
+        return 0
+    most = max(counts.values())
+    return next(i for i, a in enumerate(answers) if a is not None and counts[a] == most)
+
+
+def extract(fn, response):
+    """fn(response) as a string, or None; a function that raises is the user's error, said in one line."""
+    try:
+        answer = fn(response)
+    except Exception as e:
+        raise UserError(
+            f"--extract-answer: {getattr(fn, '__name__', fn)} raised {type(e).__name__}: {e} on the "
+            f"completion {response[:200]!r}. It must return the answer as a string, or None."
+        ) from None
+    return None if answer is None else str(answer)
 
 
 def eval_due(args, task, step, last=False):
@@ -689,6 +740,11 @@ def setup(args, resume_dir=None):
         task,
         response_prefix=args.response_prefix,
         rewards=rewards.from_flags(args, named, task.field_names),
+        extract_answer=task.extract_answer
+        if args.extract_answer is None
+        else rewards.load_reward_fn(
+            args.extract_answer, "--extract-answer", rewards.ANSWER_EXTRACTORS
+        )[1],
     )
     if not args.eval_only and args.steps > 0 and len(task.train) < prompts_per_step(args):
         raise UserError(
