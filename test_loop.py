@@ -262,7 +262,10 @@ def test_eval_only_reports_mean_rewards(tmp_path):
             str(tmp_path),
         ]
     )
-    assert set(result) == {"correctness", "reward", "correctness_pass@2", "reward_pass@2"}
+    # GSM8K reads each completion's answer, so maj@k too
+    assert set(result) == {
+        f"{name}{at}" for name in ("correctness", "reward") for at in ("", "_pass@2", "_maj@2")
+    }
     assert 0.0 <= result["correctness"] <= result["correctness_pass@2"] <= 1.0
     assert result["reward"] == result["correctness"]  # the demo's one reward function, weight 1
 
@@ -444,12 +447,9 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     )
     assert [step for step, _ in history] == [0, 1]
     assert set(history[-1][1]) == {
-        "correctness",
-        "format",
-        "reward",
-        "correctness_pass@2",
-        "format_pass@2",
-        "reward_pass@2",
+        f"{name}{at}"
+        for name in ("correctness", "format", "reward")
+        for at in ("", "_pass@2", "_maj@2")
     }
     row = read_metrics(tmp_path / "run")[1]
     assert {"rewards/correctness", "rewards/format", "accuracy", "kl", "clip_frac", "lr"} <= set(
