@@ -6,6 +6,7 @@ project sets out to reproduce; --demo swaps in DEMO_DEFAULTS.
 """
 
 import argparse
+import math
 import os
 import re
 
@@ -264,7 +265,10 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument("--warmup-steps", type=int, default=0, help="LR warmup, in optimizer updates")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="gradient clipping (global L2 norm)"
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="gradient clipping (global L2 norm); 0: no clipping",
     )
     g.add_argument(
         "--max-nonfinite",
@@ -503,8 +507,48 @@ def parse_args(argv=None):
     return args
 
 
+# The real-valued flags and the values each takes (NaN and inf never: they pass every "<= 0" test).
+NUMBER_RANGES = [
+    ("lr", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("max_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("temperature", lambda v: v > 0, "> 0 (its log-probs divide the logits by it)"),
+    ("eval_temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+    ("beta", lambda v: v >= 0, ">= 0"),
+    ("epsilon", lambda v: v > 0, "> 0"),
+    ("epsilon_high", lambda v: v > 0, "> 0"),
+    ("delta", lambda v: v > 1, "> 1"),
+    ("lora_alpha", lambda v: v > 0, "> 0"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
+]
+SEED_LIMIT = 2**32  # numpy's seeds (transformers.set_seed seeds numpy too)
+
+
+def check_numbers(args):
+    """UserError for a real-valued flag that is NaN, infinite or out of its range, and for a seed numpy refuses:
+    all before any model loads."""
+    for name, fits, values in NUMBER_RANGES:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and fits(value)):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be a finite number {values}, got {value}.")
+    for flag, value in (("--seed", args.seed), ("--eval-seed", args.eval_seed)):
+        if value is not None and value >= SEED_LIMIT:
+            raise UserError(f"{flag} must be below 2**32 ({SEED_LIMIT}), got {value}.")
+    if args.compile:
+        backends = torch.compiler.list_backends(exclude_tags=())
+        if args.compile not in backends:
+            raise UserError(
+                f"--compile {args.compile!r} is not a torch.compile backend; this torch has "
+                f"{', '.join(b for b in backends if 'TESTING' not in b)}."
+            )
+
+
 def check(args):
     """UserError for any flag value the run cannot use; --reward-weights becomes a list of floats."""
+    check_numbers(args)
     G = args.num_generations
     if G < 2:
         raise UserError(
@@ -529,6 +573,8 @@ def check(args):
         ("--overlong-buffer", args.overlong_buffer, 0),
         ("--lora-rank", args.lora_rank, 0),
         ("--eval-seed", args.eval_seed, 0),
+        ("--warmup-steps", args.warmup_steps, 0),
+        ("--top-k", args.top_k, 0),
     ]:
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}.")
@@ -604,6 +650,8 @@ def check_task_flags(args):
         raise UserError(
             f"--reward-weights must be comma-separated numbers, got {args.reward_weights!r}."
         ) from None
+    if args.reward_weights is not None and not all(map(math.isfinite, args.reward_weights)):
+        raise UserError(f"--reward-weights must be finite numbers, got {args.reward_weights}.")
     args.reward_fn = [v.strip() for value in args.reward_fn for v in value.split(",") if v.strip()]
     args.reward_model = [
         v.strip() for value in args.reward_model for v in value.split(",") if v.strip()

@@ -14,7 +14,7 @@ import time
 import huggingface_hub
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, get_scheduler
 
 import checkpoint
 import config
@@ -591,3 +591,66 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(mo
         and "--micro-batch-size" in err
         and "--gradient-checkpointing" in err
     )
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        (
+            "--max-grad-norm",
+            "nan",
+            "--max-grad-norm must be a finite number >= 0 (0: no clipping), got nan",
+        ),
+        ("--max-grad-norm", "-1", "--max-grad-norm must be a finite number >= 0"),
+        ("--lr", "inf", "--lr must be a finite number >= 0, got inf"),
+        ("--lr", "-1", "--lr must be a finite number >= 0, got -1.0"),
+        ("--weight-decay", "nan", "--weight-decay must be a finite number >= 0"),
+        ("--temperature", "inf", "--temperature must be a finite number > 0"),
+        (
+            "--eval-temperature",
+            "nan",
+            "--eval-temperature must be a finite number >= 0 (0: greedy)",
+        ),
+        ("--top-p", "0", "--top-p must be a finite number in (0, 1]"),
+        ("--top-p", "1.5", "--top-p must be a finite number in (0, 1]"),
+        ("--epsilon-high", "-1", "--epsilon-high must be a finite number > 0"),
+        ("--beta", "nan", "--beta must be a finite number >= 0"),
+        ("--lora-alpha", "nan", "--lora-alpha must be a finite number > 0"),
+        ("--delta", "inf", "--delta must be a finite number > 1"),
+        ("--warmup-steps", "-1", "--warmup-steps must be at least 0, got -1"),
+        ("--top-k", "-5", "--top-k must be at least 0, got -5"),
+        ("--seed", "4294967296", "--seed must be below 2**32"),
+        ("--reward-weights", "1,nan", "--reward-weights must be finite numbers"),
+        ("--compile", "bogus", "--compile 'bogus' is not a torch.compile backend"),
+    ],
+)
+def test_numeric_flags_refuse_nan_inf_and_out_of_range_before_any_model_loads(
+    flag, value, expected, monkeypatch, capsys
+):
+    # Each used to run (NaN weights, a reversed gradient, no learning) or end in a traceback, some after the model
+    # had loaded. Now: one paragraph, exit code 2, and no model is loaded.
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*CPU, "--model", "SmolLM2-135M", flag, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert expected in err
+
+
+def test_max_grad_norm_0_means_no_clipping():
+    # As HF Trainer and TRL read it: the update is AdamW's own, and the norm is still reported.
+    def step(max_grad_norm):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        model.weight.grad, model.bias.grad = torch.full((1, 3), 100.0), torch.full((1,), 100.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = get_scheduler("constant", optimizer)
+        before = model.weight.detach().clone()
+        norm, skipped = train.optimizer_step(model, optimizer, scheduler, None, max_grad_norm)
+        return (model.weight.detach() - before), norm, skipped
+
+    unclipped, norm, skipped = step(0.0)
+    assert skipped is None and float(norm) == pytest.approx(200.0)  # sqrt(4 * 100^2)
+    assert torch.equal(unclipped, torch.full((1, 3), -100.0))  # SGD at lr 1: the raw gradient
+    clipped, _, _ = step(1.0)
+    torch.testing.assert_close(clipped, torch.full((1, 3), -0.5))  # scaled by 1 / 200

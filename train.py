@@ -494,13 +494,15 @@ def count_nonfinite(streak, stats, limit):
 
 
 def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0):
-    """Clip the global gradient norm (returned as it was before clipping), step AdamW (through fp16's loss scaler
+    """Clip the global gradient norm (returned as it was before clipping; max_grad_norm 0: no clipping), step AdamW (through fp16's loss scaler
     when there is one) and the LR schedule. A non-finite loss or gradient norm skips the update instead, so no NaN
     reaches the weights: weights, AdamW state and schedule stay as they were (fp16's scaler lowers its scale, as it
     does on any overflow). Returns (grad norm, why the update was skipped or None)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    # --max-grad-norm 0: no clipping (as HF Trainer reads it); the norm is still measured
+    limit = max_grad_norm if max_grad_norm > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     # the next policy_update zeroes the gradients first
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         if scaler is not None:
