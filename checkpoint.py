@@ -204,12 +204,19 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the weights and optimizer are
     those of the end of the last step: save them with the RNG as it was then, so --resume redoes this step exactly.
     After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
-    if isinstance(stopped_by, SaveFailed) or distributed.world() > 1:
+    # train.Stopped: a signal stopped the run at this step's end, on every rank at once
+    everywhere = getattr(stopped_by, "everywhere", False)
+    if isinstance(stopped_by, SaveFailed) or (distributed.world() > 1 and not everywhere):
         return  # the save failed (the last checkpoint stands), or the other ranks are not there to save with
     done = step + 1 if updated else step
+    if getattr(stopped_by, "saved", False):
+        print(f"\n{stopped_by}: step {done} is saved; exiting", file=sys.stderr, flush=True)
+        return
     why = (
         "stopped"
         if stopped_by is not None and not isinstance(stopped_by, KeyboardInterrupt)
+        else f"{stopped_by}"
+        if everywhere
         else "interrupted"
     )
     print(

@@ -7,6 +7,7 @@ import errno
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -62,9 +63,10 @@ FAULT_ARGV = [
 ]
 
 
-def train_subprocess(out_dir, env, steps, kill_after=None):
+def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL):
     """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint). kill_after:
-    SIGKILL it that many seconds after its first line about training ("GRPO: ..."), unless it finished first."""
+    send it `signum` (SIGKILL unless told) that many seconds after its first line about training ("GRPO: ..."),
+    unless it finished first."""
     argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
     argv += ["--resume"] if checkpoint.find_last(str(out_dir)) else []
     log, started = (
@@ -83,7 +85,7 @@ def train_subprocess(out_dir, env, steps, kill_after=None):
         while proc.poll() is None and started() == before:
             time.sleep(0.05)
         time.sleep(kill_after)
-        proc.kill()
+        proc.send_signal(signum)
     return proc.wait()
 
 
@@ -308,6 +310,58 @@ def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_m
         read_metrics(tmp_path / "straight")
     )
     assert checkpoint.load_state(str(killed))["step"] == steps
+
+
+def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_bit_identically(
+    tmp_path,
+):
+    """Ctrl-C and a scheduler's SIGTERM or SIGHUP, at random moments of a μ = 2 run (inside a step between its two
+    updates, inside a save, in an evaluation): the step under way finishes and is saved, the process exits with
+    128 + the signal's number, and --resume continues to the same weights and metrics as a run never stopped.
+    Before, an interrupt between the μ updates saved the step as done with half its updates."""
+    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
+    rng = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0")))
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    steps = 4 * len(signals)
+    assert train_subprocess(tmp_path / "straight", env, steps) == 0
+    codes = [
+        train_subprocess(tmp_path / "stopped", env, steps, rng.uniform(0.1, 1.5), signum)
+        for signum in signals
+    ]
+    assert codes == [130, 143, 129]
+    log = open(f"{tmp_path / 'stopped'}.log").read()
+    assert "Traceback" not in log
+    assert train_subprocess(tmp_path / "stopped", env, steps) == 0
+    straight, stopped = tmp_path / "straight" / "checkpoint", tmp_path / "stopped" / "checkpoint"
+    assert (stopped / "model.safetensors").read_bytes() == (
+        straight / "model.safetensors"
+    ).read_bytes()
+    assert without_time(read_metrics(tmp_path / "stopped")) == without_time(
+        read_metrics(tmp_path / "straight")
+    )
+
+
+def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(tmp_path, capsys):
+    # In-process: the first SIGTERM arrives inside step 3's rewards (a reward function sends it), so step 3
+    # finishes, is saved and the run stops with exit code 143; no metrics row is lost or half-written.
+    sent = []
+
+    def reward(completions, answers):
+        if len(sent) == 2:  # step 3's call (one a step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        sent.append(1)
+        return varied_reward(completions, answers)
+
+    with pytest.raises(train.Stopped) as info:
+        with train.STOPS:
+            run_tiny(tmp_path, "--steps", "5", "--save-every", "0", reward=reward)
+    assert info.value.exit_code == 143
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 3
+    err = capsys.readouterr().err
+    assert "SIGTERM: finishing this step, then saving and exiting" in err
+    assert "SIGTERM: saving a checkpoint at step 3 before exiting" in err
+    assert signal.getsignal(signal.SIGTERM) is not train.STOPS.handle  # handlers restored
 
 
 def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tmp_path):

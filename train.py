@@ -18,7 +18,9 @@ import dataclasses
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -55,8 +57,9 @@ def train(args, task, model, tokenizer, resume_dir=None):
         length = decode_length(task, tokenizer, model, settings)
         decode.plan_decode(model, decode_rows(args), length)
     report.print_header(args, model)
-    # Before training (or the evaluation a crash cut short).
-    evaluate_if_due(run, task, args, run.start_step)
+    # Before training (or the evaluation a crash cut short). Ctrl-C, SIGTERM, SIGHUP: see StopRequests.
+    with STOPS.at_once():
+        evaluate_if_due(run, task, args, run.start_step)
     times, zero_std_streak, stop, nonfinite = [], 0, False, 0
     # 4: for step = 1, ..., M
     for step in range(run.start_step, args.steps):
@@ -131,16 +134,84 @@ def train(args, task, model, tokenizer, resume_dir=None):
                 zero_std_streak, metrics["frac_zero_std"], args, step + 1
             )
             # And before every evaluation: one cut short loses no training.
-            save_if_due(run, task, args, step + 1, stop)
+            saved = save_if_due(run, task, args, step + 1, stop)
+            # A signal came during this step (on any rank): stop here, at a step boundary.
+            STOPS.raise_if_requested(saved)
         except (KeyboardInterrupt, UserError) as e:
             # Ctrl-C, or a run that cannot go on: keep what it learned.
             checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start, stopped_by=e)
             raise
-        evaluate_if_due(run, task, args, step + 1, stop)
+        with STOPS.at_once():
+            evaluate_if_due(run, task, args, step + 1, stop)
         if stop:
             break
-    finish(run, task, args)
+    with STOPS.at_once():
+        finish(run, task, args)
     return run.evals
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped at a step boundary on a signal: exit code 128 + the signal's number (130 Ctrl-C, 143 SIGTERM,
+    129 SIGHUP). everywhere: every rank stops at this step (they save together); saved: the step is saved already."""
+
+    def __init__(self, signum, everywhere=False, saved=False):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code, self.everywhere, self.saved = 128 + signum, everywhere, saved
+
+
+class StopRequests:
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP (what SLURM, Kubernetes and spot instances send before they kill a job)
+    during train(). Inside a step the first one is a request: the step finishes, is saved as every step boundary
+    can be (so --resume continues exactly), and the run exits with 128 + the signal's number. A second one stops at
+    once, as Ctrl-C always did (the step counts as done after its first update, else is redone). During an
+    evaluation (training is saved before every one) and the closing table, a signal stops at once. main() installs
+    the handlers (`with STOPS:`, main thread only, where Python runs them) and restores them after; train() called
+    from your own code keeps your handlers, and a signal does what they do."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.signum, self.immediate, self.previous = None, False, {}
+
+    def __enter__(self):
+        self.signum = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        if self.immediate or self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this step, then saving and exiting "
+            "(again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """A signal inside this block stops at once (nothing unsaved to lose), a pending request too."""
+        self.immediate = True
+        try:
+            if self.signum is not None:
+                raise Stopped(self.signum)
+            yield
+        finally:
+            self.immediate = False
+
+    def raise_if_requested(self, saved):
+        """At a step's end: Stopped if a signal came on any rank (one all-reduce under torchrun)."""
+        if distributed.all_sum([self.signum is not None])[0] > 0:
+            raise Stopped(self.signum or signal.SIGTERM, everywhere=True, saved=saved)
+
+
+STOPS = StopRequests()
 
 
 def prompts_per_step(args):
@@ -719,6 +790,8 @@ def save_if_due(run, task, args, done, last=False):
     periodic = args.save_every > 0 and done % args.save_every == 0
     if periodic or done == args.steps or last or eval_due(args, task, done):
         checkpoint.save_run(run, args, done, checkpoint.rng_state(), final=last)
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -801,7 +874,8 @@ def main(argv=None):
             )
         task, model, tokenizer = setup(args, resume_dir)
         if not args.eval_only:
-            return train(args, task, model, tokenizer, resume_dir)
+            with STOPS:  # Ctrl-C, SIGTERM, SIGHUP: a step finishes and is saved first
+                return train(args, task, model, tokenizer, resume_dir)
         result = evaluate_as_flagged(model.to(args.device), tokenizer, task, args)
         print(
             f"eval on {len(task.eval[: args.eval_limit])} questions x {args.eval_samples} samples: "
@@ -825,5 +899,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:  # 130 for Ctrl-C; a signal's 128 + its number (train.Stopped)
+        raise SystemExit(getattr(e, "exit_code", 130)) from None
