@@ -362,6 +362,8 @@ def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(
     assert "SIGTERM: finishing this step, then saving and exiting" in err
     assert "SIGTERM: saving a checkpoint at step 3 before exiting" in err
     assert signal.getsignal(signal.SIGTERM) is not train.STOPS.handle  # handlers restored
+    assert train.STOPS.signum is None  # and the request forgotten: the next run starts clean
+    run_tiny(tmp_path / "next", "--steps", "1")
 
 
 def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tmp_path):

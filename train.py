@@ -182,6 +182,8 @@ class StopRequests:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        # a request belongs to this run: train() called later, without handlers, starts clean
+        self.signum, self.previous = None, {}
 
     def handle(self, signum, frame):
         if self.immediate or self.signum is not None:
