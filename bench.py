@@ -934,7 +934,16 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
         r.group_size,
         r.temperature,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads = {}
+
+    class Recording(torch.optim.SGD):
+        """SGD at lr 0 that keeps the gradients it steps with (the loop frees them right after the step)."""
+
+        def step(self, closure=None):
+            grads.update(named_grads(model))
+            return super().step(closure)
+
+    optimizer = Recording(model.parameters(), lr=0.0)
     stats, _ = train.policy_update(
         model,
         optimizer,
@@ -947,7 +956,7 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
         micro_batch_size=micro,
         max_grad_norm=float("inf"),
     )
-    return stats["loss"], named_grads(model)
+    return stats["loss"], grads
 
 
 def parity_trainer(

@@ -23,6 +23,11 @@ __all__ = [
     "completion_mask",
 ]
 
+# exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref): the loss would be
+# inf and the update skipped. Bounded at 20 (a ratio of 4.9e8, far beyond any clip), the loss stays finite and such
+# a token's ratio passes no gradient; every worked example lies far inside the bound.
+MAX_LOG_RATIO = 20.0
+
 
 def grpo_loss(
     logps,
@@ -75,13 +80,13 @@ def grpo_loss(
     if ratio_level == "sequence":                                            # GSPO: s_i = exp(mean_t log r_{i,t})
         seq = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(m, seq.expand_as(log_ratio), 0.0)
-    ratio = torch.exp(log_ratio)                                             # r_{i,t} = π_θ / π_old
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))                    # r_{i,t} = π_θ / π_old
     eps_high = epsilon if epsilon_high is None else epsilon_high
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)           # clip(r, 1-ε, 1+ε_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)    # r, or min(r, δ) with the dual clip
     objective = torch.min(unclipped * adv, clipped_ratio * adv)             # min(r Â, clip(r) Â)
     if beta != 0:
-        log_ref_ratio = torch.where(m, ref_logps - logps, 0.0)               # log(π_ref / π_θ)
+        log_ref_ratio = torch.where(m, ref_logps - logps, 0.0).clamp(max=MAX_LOG_RATIO)  # log(π_ref / π_θ)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0
         objective = objective - beta * kl                                    # ... - β D_KL
     objective = torch.where(m, objective, 0.0)                               # only tokens up to EOS count

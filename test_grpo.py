@@ -434,3 +434,30 @@ def test_a_row_with_no_tokens_contributes_0_not_nan():
         logps, None, None, torch.tensor([1.0, 5.0]), torch.tensor([[1, 1, 0], [0, 0, 0]]), beta=0.0
     )
     assert loss.item() == pytest.approx(-0.5, abs=TOL)  # (1 + 0) / 2 sequences
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_far_off_policy_or_far_from_the_reference_keeps_loss_and_gradient_finite(dtype):
+    # log r = 100 with Â = -1 and no dual clip: exp(100) overflows fp32, so the loss was inf and the update skipped.
+    # Bounded at MAX_LOG_RATIO = 20: the loss is (e^20 + 1) / 2, finite, and that token passes no gradient through
+    # its ratio. The same for k3 at log(π_ref / π_θ) = 100. The other token's gradient is untouched.
+    logps = torch.tensor([[0.0, -1.0]], dtype=dtype, requires_grad=True)
+    old = torch.tensor([[-100.0, -1.0]], dtype=dtype)
+    mask = torch.ones(1, 2)
+    loss = grpo_loss(logps, old, None, torch.tensor([-1.0], dtype=dtype), mask, beta=0.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
+    # token 0: ratio e^20 (bounded), objective e^20 * -1; token 1: ratio 1, objective -1; mean over 2 tokens, negated
+    expected = (math.exp(20.0) + 1) / 2
+    assert float(loss) == pytest.approx(expected, rel=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert float(logps.grad[0, 0]) == 0.0  # beyond the bound: no gradient through the ratio
+    assert float(logps.grad[0, 1]) == pytest.approx(
+        0.5, rel=1e-2
+    )  # d(-(r Â)/2)/dlogp = -Â r / 2 = 0.5
+    logps = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.0]])
+    loss = grpo_loss(logps, None, ref, torch.tensor([0.0]), mask, beta=0.04)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
+    # k3 at the bound: e^20 - 20 - 1 for token 0, 0 for token 1; loss = β k3 / 2
+    assert float(loss) == pytest.approx(0.04 * (math.exp(20.0) - 21) / 2, rel=1e-6)
