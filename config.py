@@ -628,8 +628,6 @@ def check_option_flags(args):
             f"--overlong-buffer ({args.overlong_buffer}) must be at most --max-new-tokens "
             f"({args.max_new_tokens})."
         )
-    if not 0 <= args.lora_dropout < 1 or (args.lora_alpha is not None and args.lora_alpha <= 0):
-        raise UserError("--lora-dropout must be in [0, 1) and --lora-alpha > 0.")
     if args.compile and (args.fsdp or args.lora_rank):
         raise UserError(
             "--compile compiles a whole, unadapted model: it does not combine with --fsdp or --lora-rank "
