@@ -126,6 +126,8 @@ def check_same_architecture(initial, saved, model_name, resume_dir):
 # run would otherwise not continue the one it resumes. Paths may move; --steps stretches or shortens the LR schedule.
 MAY_CHANGE_ON_RESUME = {
     "resume",
+    "overwrite",
+    "reward_timeout",
     "steps",
     "eval_every",
     "save_every",

@@ -206,6 +206,14 @@ def add_reward_flags(p):
         help="DAPO's soft overlong punishment as one more reward (rewards/overlong): 0 up to "
         "max-new-tokens - N tokens, then falling linearly to -1 at max-new-tokens; 0: off",
     )
+    g.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a reward function (or reward model) that takes longer than this on one step's batch stops the "
+        "run as a reward error does (checkpoint saved, exit code 2); 0: no limit",
+    )
 
 
 def add_sampling_and_optimization_flags(p):
@@ -278,6 +286,13 @@ def add_sampling_and_optimization_flags(p):
         "stop, saving the last good weights, after this many in a row",
     )
 
+    g.add_argument(
+        "--dropout",
+        action="store_true",
+        help="keep the model's own dropout on while training (off by default: with mu > 1, pi_old's and "
+        "pi_theta's log-probs would come from different dropout masks, and the ratio would be noise)",
+    )
+
     g = p.add_argument_group("LoRA (needs peft: pip install peft)")
     g.add_argument(
         "--lora-rank",
@@ -289,7 +304,12 @@ def add_sampling_and_optimization_flags(p):
     g.add_argument(
         "--lora-alpha", type=float, default=None, help="LoRA scaling alpha; if not given, 2 x rank"
     )
-    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the LoRA branch")
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        help="dropout on the LoRA branch (off by default: see --dropout)",
+    )
     g.add_argument(
         "--lora-target-modules",
         default="q_proj,v_proj",
@@ -383,6 +403,12 @@ def add_run_flags(p):
         help="print one sampled completion every N steps; 0: never",
     )
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run in an --output-dir that holds an earlier run, replacing its metrics.jsonl "
+        "and checkpoint (without it, such a run is refused)",
+    )
     g.add_argument(
         "--seed", type=int, default=42, help="seeds torch, numpy, random and the data order"
     )
@@ -521,6 +547,7 @@ NUMBER_RANGES = [
     ("delta", lambda v: v > 1, "> 1"),
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("reward_timeout", lambda v: v >= 0, ">= 0 (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 SEED_LIMIT = 2**32  # numpy's seeds (transformers.set_seed seeds numpy too)
