@@ -14,6 +14,9 @@ functions with weights; train.py adds them up (total = sum of weight * reward) a
 its name (see REWARD_FUNCS). A function that
 needs no reference, like format_reward, still takes `answers` and ignores it.
 
+score() isolates each function: it gets its own copy of every argument, whatever it raises (sys.exit included) is
+an error naming it, it must return within --reward-timeout seconds, and its values must be finite in float32.
+
 overlong_penalty scores token lengths, not texts: overlong_reward wraps it as a function that declares
 `completion_lengths` (--overlong-buffer N).
 
@@ -24,11 +27,16 @@ the work grows linearly with the length of the text (no catastrophic backtrackin
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
 
+import contextlib
+import copy
 import importlib
 import inspect
 import os
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from decimal import Decimal
@@ -274,30 +282,136 @@ def wanted(fn, columns):
 
 def score(reward_fns, completions, answers, **columns):
     """Total reward [N] = sum of weight * fn(completions, answers, **the columns fn declares), and each function's
-    rewards {name: [N]}. columns: prompts=[N], and any data field =[N]. A function that raises, or does not return
-    one finite number per completion, stops the run here: a UserError naming the function, what was wrong, and the
-    start of the offending completion (train.py then saves a checkpoint and exits with code 2)."""
+    rewards {name: [N]}. columns: prompts=[N], and any data field =[N].
+
+    Each function is isolated from the run around it and from the other functions:
+    - it gets its own copy of every argument (own_copy), so one that sorts `completions` in place or appends to a
+      list-valued answer changes neither what the next function sees nor the data of later steps;
+    - anything it raises, SystemExit and other BaseExceptions included, is a reward error; only KeyboardInterrupt
+      (Ctrl-C, and train.Stopped for SIGTERM/SIGHUP) goes through untouched, so the run stops as it should;
+    - it must return within its Reward.timeout (--reward-timeout; see time_limit);
+    - it must return one finite float32 number per completion (as_rewards).
+    A reward error stops the run here: a UserError naming the function, what was wrong, and the start of the
+    offending completion (train.py then saves a checkpoint and exits with code 2)."""
     per_fn = {}
     for r in reward_fns:
-        kwargs = wanted(r.fn, columns)
-        try:
-            values = r.fn(completions, answers, **kwargs)
-        except Exception as e:
-            raise UserError(raised(r.name, e, r.fn, completions, answers, kwargs)) from None
-        per_fn[r.name] = as_rewards(r.name, values, completions)
+        per_fn[r.name] = score_one(r, completions, answers, wanted(r.fn, columns))
     return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
+
+
+def score_one(r, completions, answers, kwargs):
+    """One Reward's values [N] on the batch, each argument its own copy, within r.timeout seconds (search included)."""
+    try:
+        with time_limit(r.timeout):
+            try:
+                values = r.fn(
+                    own_copy(completions),
+                    own_copy(answers),
+                    **{k: own_copy(v) for k, v in kwargs.items()},
+                )
+            except NOT_REWARD_ERRORS:
+                raise
+            except BaseException as e:  # SystemExit too: a reward function does not end the run
+                raise UserError(raised(r.name, e, r.fn, completions, answers, kwargs)) from None
+            return as_rewards(r.name, values, completions)
+    except RewardTimeout:
+        raise UserError(
+            f"reward function {r.name!r} did not return within {r.timeout:g} s (--reward-timeout) on a batch "
+            f"of {len(completions)} completions; the batch's first completion began: "
+            f"{(completions[0] if completions else '')[:200]!r}. Make it faster, or raise the limit with "
+            "--reward-timeout SECONDS (0: no limit)."
+        ) from None
+
+
+def own_copy(values):
+    """A reward function's own copy of one argument: a new list holding a deep copy of each value, so what the
+    function does to it (sorting the list, appending to a list-valued answer) reaches neither the next function nor
+    the rows the data keeps for later steps. Strings and numbers are immutable: deepcopy returns them as they are."""
+    return [copy.deepcopy(v) for v in values]
+
+
+class RewardTimeout(BaseException):
+    """A reward function ran past its time limit. A BaseException, as KeyboardInterrupt is, so that a function that
+    catches Exception around each completion does not swallow it and go on to the next one."""
+
+
+# What a reward function may raise that is not its own error: Ctrl-C and train.Stopped (its subclass), and the time
+# limit, which score_one reports as such.
+NOT_REWARD_ERRORS = (KeyboardInterrupt, RewardTimeout)
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """RewardTimeout when the block runs longer than `seconds` (0: no limit).
+
+    In the main thread an alarm (SIGALRM, see alarm()) interrupts the block at the limit: a Python loop at its next
+    bytecode, a sleep or a blocking read at once, C code that does not return to Python (one long regex, one torch
+    op) when it returns. The block runs in the thread that called it, so thread-local state (torch's grad mode) is
+    as it was; a worker thread would lose it, and would break reward libraries that set alarms themselves
+    (signal.signal works only in the main thread).
+
+    Limits: a library that sets its own alarm inside the block (math_verify does, with signal.alarm) replaces ours
+    and cancels it when done; and off the main thread no signal can interrupt the block. There the block runs to
+    its end and is then refused if it took longer than the limit: a slow function still stops the run, a function
+    that never returns hangs it."""
+    start = time.monotonic()
+    if (
+        seconds > 0
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    ):
+        with alarm(seconds):
+            yield
+    else:
+        yield
+    if seconds > 0 and time.monotonic() - start > seconds:
+        raise RewardTimeout  # the function caught the alarm, a library cancelled it, or no alarm could be set
+
+
+@contextlib.contextmanager
+def alarm(seconds):
+    """RewardTimeout raised in the main thread `seconds` after the block starts, by a SIGALRM timer (setitimer). The
+    previous SIGALRM handler is put back afterwards, and a timer of your own pending before the block is re-armed
+    with the time it had left (if that ran out meanwhile, it goes off at once). SIGINT, SIGTERM and SIGHUP (the
+    run's own handlers, train.StopRequests) are untouched."""
+    armed = True  # set to False the moment the block ends: an alarm after that, during the clean-up, does nothing
+
+    def expire(signum, frame):
+        if armed:
+            raise RewardTimeout
+
+    start = time.monotonic()
+    previous_delay, previous_interval = signal.getitimer(signal.ITIMER_REAL)
+    previous_handler = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            armed = False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay > 0:
+            left = max(previous_delay - (time.monotonic() - start), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
 
 
 def raised(name, e, fn, completions, answers, kwargs):
     """The message for a reward function that raised on a batch. It is called again one completion at a time to
-    find the completion it fails on; if none fails alone, the message shows the batch's first completion."""
-    i = first_raising(fn, completions, answers, kwargs)
-    which = (
-        f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
-        if i is not None
-        else "called on each completion alone it does not raise; the batch's first "
-        f"completion began: {completions[0][:200] if completions else ''!r}"
-    )
+    find the completion it fails on; if none fails alone, the message shows the batch's first completion. The
+    search runs within what is left of the batch's time limit (score_one): a function that hangs alone is not
+    waited for."""
+    first = f"the batch's first completion began: {(completions[0] if completions else '')[:200]!r}"
+    try:
+        i = first_raising(fn, completions, answers, kwargs)
+        which = (
+            f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
+            if i is not None
+            else f"called on each completion alone it does not raise; {first}"
+        )
+    except RewardTimeout:
+        which = f"calling it on each completion alone to find the one it fails on ran out of time; {first}"
     return (
         f"reward function {name!r} raised {type(e).__name__}: {e}{where(e)} on a batch of {len(completions)} "
         f"completions; {which}. A reward function must return one float for any text, even empty or garbage."
@@ -305,15 +419,18 @@ def raised(name, e, fn, completions, answers, kwargs):
 
 
 def first_raising(fn, completions, answers, kwargs):
-    """The index of the first completion on which fn, called on it alone, raises; None if none does."""
+    """The index of the first completion on which fn, called on it alone (with its own copies), raises; None if none
+    does."""
     for i in range(len(completions)):
         try:
             fn(
-                completions[i : i + 1],
-                answers[i : i + 1],
-                **{k: v[i : i + 1] for k, v in kwargs.items()},
+                own_copy(completions[i : i + 1]),
+                own_copy(answers[i : i + 1]),
+                **{k: own_copy(v[i : i + 1]) for k, v in kwargs.items()},
             )
-        except Exception:
+        except NOT_REWARD_ERRORS:
+            raise
+        except BaseException:
             return i
     return None
 
@@ -331,7 +448,9 @@ def where(e):
 
 
 def as_rewards(name, values, completions):
-    """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong with it."""
+    """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong with it: not one
+    number per completion, NaN or inf, or a number beyond float32's range (1e39 is a finite float but inf in
+    float32)."""
     n = len(completions)
     returned = values
     if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
@@ -344,7 +463,9 @@ def as_rewards(name, values, completions):
         )
     try:
         values = list(values)  # a list, a tuple, a tensor, an array, a generator
-    except Exception as e:  # not iterable, or a generator that raised
+    except NOT_REWARD_ERRORS:
+        raise
+    except BaseException as e:  # not iterable, or a generator that raised (or called sys.exit)
         raise UserError(
             f"reward function {name!r} must return one number per completion ({n}); it returned a "
             f"{type(returned).__name__} ({type(e).__name__}: {e}{where(e)}). The batch's first completion "
@@ -372,7 +493,22 @@ def as_rewards(name, values, completions):
                 f"numbers (NaN or inf would reach the weights). The completion began: "
                 f"{completions[i][:200]!r}"
             )
-    return torch.tensor(out, dtype=torch.float32)
+    rewards = torch.tensor(out, dtype=torch.float32)
+    # finite as Python floats, but beyond float32's range: inf here
+    overflowed = (~rewards.isfinite()).nonzero().flatten().tolist()
+    if overflowed:
+        i = overflowed[0]
+        raise UserError(
+            f"reward function {name!r} returned {out[i]} for completion {i}, beyond the range of float32 "
+            f"(±{torch.finfo(torch.float32).max:.4g}), in which rewards are computed: it would be inf and reach the "
+            f"weights. Scale the rewards down. The completion began: {completions[i][:200]!r}"
+        )
+    return rewards
+
+
+# --reward-timeout's default: generous (a reward model on a CPU, or a checker that runs code, takes seconds per batch),
+# but a function that hangs stops the run within minutes, saved, rather than holding its machine forever.
+DEFAULT_TIMEOUT = 600.0
 
 
 class Reward(NamedTuple):
@@ -381,17 +517,24 @@ class Reward(NamedTuple):
     name: str  # the name it is logged under: rewards/<name>, eval/<name>
     fn: Callable
     weight: float  # the total reward is the weighted sum of all the task's reward functions
+    # seconds one call may take before it stops the run (score_one, time_limit); 0: no limit. from_flags sets it
+    # from --reward-timeout.
+    timeout: float = DEFAULT_TIMEOUT
 
 
-def weighted(named_fns, weights):
-    """[Reward] from [(name, fn)] and one weight each."""
-    return [Reward(name, fn, float(w)) for (name, fn), w in zip(named_fns, weights, strict=True)]
+def weighted(named_fns, weights, timeout=DEFAULT_TIMEOUT):
+    """[Reward] from [(name, fn)] and one weight each, each with the time limit `timeout` (seconds, 0: none)."""
+    return [
+        Reward(name, fn, float(w), float(timeout))
+        for (name, fn), w in zip(named_fns, weights, strict=True)
+    ]
 
 
 def from_flags(args, defaults, fields=()):
     """The run's rewards, [Reward]: --reward-fn's functions (without it the task's own `defaults`, [(name, fn)]),
-    then --reward-model's models, weighted by --reward-weights in that order (every weight 1.0 without it).
-    `fields`: the data rows' other fields, which a function may declare as parameters."""
+    then --reward-model's models, weighted by --reward-weights in that order (every weight 1.0 without it), each
+    given --reward-timeout's time limit. `fields`: the data rows' other fields, which a function may declare as
+    parameters."""
     named = [load_reward_fn(spec) for spec in args.reward_fn] if args.reward_fn else list(defaults)
     names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
     names += ["overlong"] if args.overlong_buffer > 0 else []
@@ -423,7 +566,7 @@ def from_flags(args, defaults, fields=()):
     ]
     if args.overlong_buffer > 0:
         named.append(("overlong", overlong_reward(args.max_new_tokens, args.overlong_buffer)))
-    return weighted(named, weights)
+    return weighted(named, weights, args.reward_timeout)
 
 
 def overlong_reward(max_tokens, buffer):
