@@ -1,22 +1,34 @@
-"""Checkpoints: saving a run, finding the last checkpoint, and restoring a run from it.
+"""Checkpoints: claiming the output directory, saving a run, finding the last whole checkpoint, and restoring a run
+from it.
 
 OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
 training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written
-into checkpoint.tmp, fsynced and renamed into place. A run's data position needs no saving: the batch of step s is a
-pure function of the seed and s (data.batch_at); its evaluations are read back from metrics.jsonl.
+into checkpoint.tmp, fsynced and renamed into place, after checking the weights are finite. A run's data position
+needs no saving: the batch of step s is a pure function of the seed and s (data.batch_at); its evaluations are read
+back from metrics.jsonl. One run per output directory: a fresh run refuses a directory that holds one, and a live run
+holds OUTPUT_DIR/.lock (claim_output_dir).
 """
 
+import contextlib
+import errno
+import fcntl
+import json
+import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
+import zipfile
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import distributed
+import report
 from errors import UserError
 
 
@@ -171,7 +183,9 @@ def check_same_flags(saved, args):
 def save_run(run, args, step, rng, final=False):
     """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model when the run ends here
     (the last step, an early stop, an interruption: `final`), so that the checkpoint a run leaves behind always loads
-    with from_pretrained."""
+    with from_pretrained. Weights that are not finite are refused first (NonFiniteWeights), on every rank at once:
+    nothing is written, and the last checkpoint stands."""
+    check_finite(run.model, args.output_dir, step)
     # every rank's RNG (under torchrun each samples its own completions)
     rngs = distributed.gather_objects(rng)
     state = dict(
@@ -208,8 +222,10 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
     After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
     # train.Stopped: a signal stopped the run at this step's end, on every rank at once
     everywhere = getattr(stopped_by, "everywhere", False)
-    if isinstance(stopped_by, SaveFailed) or (distributed.world() > 1 and not everywhere):
-        return  # the save failed (the last checkpoint stands), or the other ranks are not there to save with
+    if isinstance(stopped_by, report.WriteFailed) or (distributed.world() > 1 and not everywhere):
+        # a save or a metrics line failed, or the weights are not finite (the last checkpoint stands), or the other
+        # ranks are not there to save with
+        return
     done = step + 1 if updated else step
     if getattr(stopped_by, "saved", False):
         print(f"\n{stopped_by}: step {done} is saved; exiting", file=sys.stderr, flush=True)
@@ -266,38 +282,46 @@ def set_rng_state(state):
 def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True, weights=None):
     """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with renames, so a crash
     or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old).
-    With LoRA (peft_model) the adapter goes into checkpoint/adapter, and the merged model beside it if `merge`."""
+    With LoRA (peft_model) the adapter goes into checkpoint/adapter, and the merged model beside it if `merge`.
+    A write that fails (a full disk: OSError from Python's own writes, RuntimeError from torch.save,
+    SafetensorError from safetensors) removes checkpoint.tmp and is a SaveFailed; nothing was replaced."""
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
+    part = "the adapter"  # what is being written, for the message when it fails
     try:
         if peft_model is not None:
             peft_model.save_pretrained(os.path.join(tmp, "adapter"))
             fsync_tree(os.path.join(tmp, "adapter"))
+        part = "the weights"
         if peft_model is None:
             model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         elif merge:
             save_merged(model, peft_model, tmp)
+        part = "the tokenizer"
         tokenizer.save_pretrained(tmp)
+        part = "training_state.pt"
         torch.save(training_state, os.path.join(tmp, "training_state.pt"))
         # on disk before the renames: a power loss cannot leave a renamed but empty file
+        part = "fsync"
         fsync_tree(tmp)
-    except OSError as e:  # a full disk (ENOSPC), a quota: the previous checkpoint was not touched
+    except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = find_last(output_dir)
-        kept = (
-            f"the previous checkpoint, {previous}, is intact"
-            if previous
-            else "no checkpoint is kept"
-        )
+        kept, resumable = standing(output_dir)
         raise SaveFailed(
-            f"could not write a checkpoint into {tmp}: {e.strerror or e}. Nothing was replaced: {kept}. "
-            "Free space (or pass another --output-dir) and rerun with --resume."
+            f"could not write a checkpoint into {tmp} ({part}): {report.failure(e)}. Nothing was replaced: "
+            f"{kept}. {free_space(output_dir)}Free space (or pass another --output-dir) and rerun with "
+            + ("--resume." if resumable else "--overwrite: there is no checkpoint to resume from.")
         ) from None
     fault_injection_pause()
     if os.path.isdir(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+        if os.path.isdir(old) and verify(final) is not None and verify(old) is None:
+            # The run resumed from checkpoint.old because checkpoint is damaged (find_last): the whole one stays
+            # the fallback until the new one is in place.
+            shutil.rmtree(final)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         fault_injection_pause()
     os.replace(tmp, final)
     fsync_tree(output_dir, files=False)  # the renames themselves
@@ -305,8 +329,87 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
     return final
 
 
-class SaveFailed(UserError):
-    """Writing a checkpoint failed; the previous one is untouched (and there is nothing new to save on the way out)."""
+# What a write into a full disk (ENOSPC), a quota or a vanished directory raises: OSError from Python's own writes (the
+# tokenizer's files, fsync), RuntimeError from torch.save, SafetensorError from safetensors (neither says the errno).
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+class SaveFailed(report.WriteFailed):
+    """Writing a checkpoint failed, or was refused; the previous one is untouched (and there is nothing new to save on
+    the way out: save_interrupted skips it)."""
+
+
+class NonFiniteWeights(SaveFailed):
+    """The weights to save hold NaN or inf: nothing is written over the last checkpoint."""
+
+
+def check_finite(model, output_dir, step):
+    """NonFiniteWeights, on every rank, when any weight of `model` is NaN or inf (under FSDP2, any rank's shard). One
+    fused kernel per dtype on the device: the largest |w| of each tensor (a max cannot overflow, as a sum of squares
+    can), one sync, and one all-reduce under torchrun so that every rank refuses together."""
+    tensors = [(n, p.detach()) for n, p in model.named_parameters()]
+    tensors = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in tensors]
+    tensors = [(n, p) for n, p in tensors if p.numel()]
+    bad = []
+    if tensors:
+        largest = torch._foreach_norm([p for _, p in tensors], math.inf)
+        # one sync
+        values = torch.stack([m.float().to(largest[0].device) for m in largest]).tolist()
+        bad = [n for (n, _), v in zip(tensors, values) if not math.isfinite(v)]
+    if distributed.all_sum([len(bad)])[0] == 0:
+        return
+    where = (
+        f" in {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''}"
+        if bad
+        else " on another rank"
+    )
+    kept, resumable = standing(output_dir)
+    raise NonFiniteWeights(
+        f"the weights after step {step} are not finite (NaN or inf{where}), so no checkpoint was written: nothing "
+        f"was replaced, {kept}. "
+        + ("--resume continues from it; " if resumable else "")
+        + "lower --lr or set --max-grad-norm if it happens again."
+    )
+
+
+def standing(output_dir):
+    """Which checkpoint stands in `output_dir`, in words for a message that says nothing was replaced, and whether
+    there is one to resume from."""
+    path = find_last(output_dir, quiet=True)
+    if path is None:
+        return "no checkpoint is kept", False
+    step = checkpoint_step(path)
+    return f"the previous checkpoint, {path}, is intact" + (
+        f" (step {step})" if step is not None else ""
+    ), True
+
+
+def checkpoint_step(path):
+    """The step a checkpoint was saved after, None when it cannot be read. Memory-mapped: no tensor is read, so it is
+    cheap for a 14 GB training_state.pt too."""
+    try:
+        state = torch.load(
+            os.path.join(path, "training_state.pt"),
+            map_location="cpu",
+            weights_only=True,
+            mmap=True,
+        )
+        return state.get("step") if isinstance(state, dict) else None
+    except Exception:  # a damaged file: the message names the path alone
+        return None
+
+
+def free_space(directory):
+    """The words "N MiB free there. " for a message about a failed write ("" when it cannot be told)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    return (
+        f"{free / 2**30:.1f} GiB free there. "
+        if free >= 2**30
+        else f"{free / 2**20:.1f} MiB free there. "
+    )
 
 
 def fault_injection_pause():
@@ -331,19 +434,329 @@ def fsync_tree(directory, files=True):
         os.close(fd)
 
 
-def find_last(output_dir):
-    """OUTPUT_DIR/checkpoint, or checkpoint.old when a crash hit between save's two renames."""
+def find_last(output_dir, quiet=False):
+    """OUTPUT_DIR/checkpoint if it is whole (verify), else checkpoint.old if that one is: a crash hit between save's
+    two renames, or checkpoint is damaged (said in one line on stderr). None when there is neither. A UserError when
+    each one there is damaged, naming what is wrong (quiet: None, and nothing printed)."""
+    damaged = []
     for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(output_dir, name)
-        if os.path.isfile(os.path.join(path, "training_state.pt")):
+        if not os.path.isdir(path):
+            continue
+        problem = verify(path)
+        if problem is None:
+            if damaged and not quiet and distributed.is_main():
+                print(
+                    f"{damaged[0]}; using {path}, the checkpoint before it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return path
+        damaged.append(f"{path} is damaged: {problem}")
+    if damaged and not quiet:
+        raise UserError(
+            "; ".join(damaged)
+            + (", and there is no checkpoint.old to fall back to" if len(damaged) == 1 else "")
+            + ". This run cannot continue from it: restore the directory from a copy, or start over with --overwrite "
+            "(or in another --output-dir)."
+        )
     return None
+
+
+def verify(path):
+    """None when the checkpoint directory `path` is whole, else what is wrong with it, naming the file. Cheap (no
+    tensor is read, whatever the size): training_state.pt is a whole zip archive (torch.save's format) whose members
+    lie within the file; each .safetensors file's header parses and the file is exactly as long as the header says;
+    each .json file parses; and the weights are there (config.json and model.safetensors or its index's shards; with
+    LoRA, adapter/adapter_config.json and adapter/adapter_model.safetensors)."""
+    adapter = os.path.join(path, "adapter")
+    needed = ["training_state.pt"] + (
+        ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+        if os.path.isdir(adapter)
+        else ["config.json"]
+    )
+    try:
+        for name in needed:
+            if not os.path.isfile(os.path.join(path, name)):
+                return f"{name} is missing"
+        problem = zip_problem(os.path.join(path, "training_state.pt"))
+        if problem:
+            return f"training_state.pt {problem}"
+        for directory, prefix in ((path, ""), (adapter, "adapter/")):
+            names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+            for name in names:
+                file = os.path.join(directory, name)
+                if name.endswith(".json"):
+                    problem = json_problem(file)
+                elif name.endswith(".safetensors"):
+                    problem = safetensors_problem(file)
+                else:
+                    continue
+                if problem:
+                    return f"{prefix}{name} {problem}"
+        if not os.path.isdir(adapter):
+            return weights_problem(path)
+    except OSError as e:  # a file removed or unreadable while we look
+        return f"{e.filename}: {e.strerror}"
+    return None
+
+
+def zip_problem(file):
+    """What is wrong with a torch.save file (a zip archive), or None."""
+    size = os.path.getsize(file)
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"is cut short ({size:,} bytes; {info.filename} needs more)"
+    except zipfile.BadZipFile as e:
+        return f"is cut short or damaged ({size:,} bytes, not a whole torch.save archive: {e})"
+    return None
+
+
+def safetensors_problem(file):
+    """What is wrong with a .safetensors file, or None: an 8-byte header length, a JSON header, then exactly the bytes
+    its tensors' data_offsets cover."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            return f"is cut short ({size:,} bytes, less than its header)"
+        try:
+            header = json.loads(f.read(length))
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "has a damaged header"
+    expected = 8 + length + end
+    if size != expected:
+        return f"is {'cut short' if size < expected else 'too long'} ({size:,} bytes; its header says {expected:,})"
+    return None
+
+
+def json_problem(file):
+    """What is wrong with a JSON file of a checkpoint (config.json, the tokenizer's), or None."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"is not valid JSON ({e})"
+    return None if isinstance(value, dict) else "is not a JSON object"
+
+
+def weights_problem(path):
+    """None when a save_pretrained directory has its weights: model.safetensors, or every shard its index names."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        return (
+            f"{missing[0]} is missing (model.safetensors.index.json names it)" if missing else None
+        )
+    return (
+        None
+        if os.path.isfile(os.path.join(path, "model.safetensors"))
+        else "model.safetensors is missing"
+    )
 
 
 def load_state(path):
     """training_state.pt of a checkpoint directory (the weights are loaded with from_pretrained)."""
     # Onto the CPU: under torchrun every rank would otherwise load rank 0's AdamW moments onto rank 0's GPU.
     # optimizer.load_state_dict then moves each state to its parameter's device.
-    return torch.load(
-        os.path.join(path, "training_state.pt"), map_location="cpu", weights_only=True
+    file = os.path.join(path, "training_state.pt")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    # damage verify cannot see (it reads no tensor)
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
+        raise UserError(
+            f"could not read {file} ({report.failure(e)}): the checkpoint is damaged. Restore the directory "
+            "from a copy, or start over with --overwrite (or in another --output-dir)."
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The output directory: one run in it, and one process at a time.
+
+LOCK = ".lock"
+# What a run writes into its output directory (removed by --overwrite, the last one last: a removal cut short still
+# leaves a directory that holds a run, refused without --overwrite, never a mix of two runs).
+RUN_FILES = (
+    "checkpoint.tmp",
+    "checkpoint.old",
+    "checkpoint",
+    "curves.png",
+    "metrics.jsonl.tmp",
+    "metrics.jsonl",
+)
+
+
+@contextlib.contextmanager
+def claim_output_dir(args):
+    """The output directory for this run, held until the block ends; entered before the model loads (train.main).
+
+    - A directory that cannot be created or written to (read-only, a file in the way, a full disk) is refused.
+    - A live run holds OUTPUT_DIR/.lock (flock: the kernel drops it when its process ends, however it ends, so a lock
+      left by a killed run blocks nothing); a second process is refused, naming the holder's pid and host.
+    - A fresh run (no --resume) into a directory that holds a run (metrics.jsonl with rows, checkpoint/ or
+      checkpoint.old/) is refused, naming what it holds and the ways on; with --overwrite that run's files are removed
+      first. --overwrite has no effect with --resume.
+
+    Under torchrun rank 0 alone does this (the others write nothing), and every rank raises its refusal. --eval-only
+    writes no run: nothing is claimed."""
+    if args.eval_only:
+        yield None
+        return
+    lock, refusal = None, None
+    if distributed.is_main():
+        try:
+            lock = OutputDirLock(args.output_dir)
+            prepare_output_dir(args)
+        except UserError as e:
+            refusal = e
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+    if distributed.world() > 1:
+        message = distributed.gather_objects(None if refusal is None else str(refusal))[0]
+        refusal = refusal or (UserError(message) if message is not None else None)
+    try:
+        if refusal is not None:
+            raise refusal
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class OutputDirLock:
+    """OUTPUT_DIR/.lock held with flock(LOCK_EX | LOCK_NB) while the run is live, with the holder's pid and host in it
+    (for the message a second process gets). Released (and the file removed) when the run ends; a killed run's file
+    stays behind and blocks nothing. Also the probe for a directory this process cannot write to."""
+
+    def __init__(self, output_dir):
+        self.path = os.path.join(output_dir, LOCK)
+        self.fd = None
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            probe_writable(output_dir)
+            self.fd = self.acquire()
+            os.ftruncate(self.fd, 0)
+            holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            os.pwrite(self.fd, holder.encode(), 0)
+        except OSError as e:
+            self.release()
+            raise UserError(
+                f"--output-dir {output_dir} cannot be written to ({report.failure(e)}"
+                + (f": {e.filename}" if getattr(e, "filename", None) else "")
+                + "). Pass a directory you can write to (it is created if missing), with room for the checkpoints."
+            ) from None
+
+    def acquire(self):
+        """The lock file's descriptor, locked. A run that ends removes the file while it holds the lock; a process
+        that opened it just before then locks a removed file, so it checks that the path still names what it locked,
+        and otherwise tries again."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise UserError(
+                    f"--output-dir {os.path.dirname(self.path)} is in use: a run is live there ({holder} holds "
+                    f"{self.path}). Wait for it to end (or stop it: a stopped run can be continued with --resume), "
+                    "or pass another --output-dir."
+                ) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                print(
+                    f"note: {self.path} cannot be locked on this filesystem ({e.strerror}): nothing keeps a second "
+                    "run out of this directory",
+                    file=sys.stderr,
+                )
+                return fd
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
+    def release(self):
+        """Remove the lock file, then let go of the lock (in that order: see acquire)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def probe_writable(directory):
+    """OSError when no file can be created in `directory` (read-only, no permission, a read-only filesystem)."""
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.remove(probe)
+
+
+def prepare_output_dir(args):
+    """A fresh run's directory must hold no run: UserError naming what it holds and the ways on, or, with --overwrite,
+    that run's files removed (said in one line)."""
+    held = run_in(args.output_dir)
+    if args.resume:
+        if args.overwrite:
+            print("--overwrite has no effect with --resume: the run continues", file=sys.stderr)
+        return
+    if not held:
+        return
+    if not args.overwrite:
+        raise UserError(
+            f"--output-dir {args.output_dir} already holds a run ({'; '.join(held)}), and a fresh run would replace "
+            "it. Pass --resume to continue that run, another --output-dir to start a new one beside it, or "
+            "--overwrite to delete it and start over."
+        )
+    for name in RUN_FILES:
+        path = os.path.join(args.output_dir, name)
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as e:
+            raise UserError(
+                f"--overwrite: could not remove {path} ({report.failure(e)}). Remove the earlier run's files "
+                "yourself, or pass another --output-dir."
+            ) from None
+    print(
+        f"--overwrite: removed the earlier run in {args.output_dir} ({'; '.join(held)})", flush=True
     )
+
+
+def run_in(output_dir):
+    """What of a run `output_dir` holds, in words: metrics.jsonl with rows, checkpoint/, checkpoint.old/ (empty: none).
+    Cheap: the rows are counted, not parsed, and a checkpoint's step is read memory-mapped."""
+    held = []
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics, "rb") as f:
+            lines = [line for line in f if line.strip()]
+        if lines:
+            try:
+                last = f", the last at step {json.loads(lines[-1])['step']}"
+            except (ValueError, KeyError, TypeError):
+                last = ""
+            held.append(f"metrics.jsonl with {len(lines)} row{'s' if len(lines) > 1 else ''}{last}")
+    for name in ("checkpoint", "checkpoint.old"):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            step = checkpoint_step(path)
+            held.append(f"{name}/" + (f" at step {step}" if step is not None else ""))
+    return held

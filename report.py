@@ -16,20 +16,48 @@ import sys
 import numpy as np
 
 import distributed
+from errors import UserError
+
+
+class WriteFailed(UserError):
+    """Writing a run's files failed (a full disk, a quota, a read-only or vanished directory): one paragraph and exit
+    code 2. Nothing more is written on the way out (checkpoint.save_interrupted skips it): the last checkpoint stands,
+    and --resume continues from it with metrics.jsonl cut back to its step."""
+
+
+def failure(e):
+    """An exception from a write as a few words: OSError's own text ("No space left on device"), else its type and
+    message (torch.save raises RuntimeError, safetensors SafetensorError, both without the errno)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def read_rows(path):
-    """The rows of a metrics.jsonl, in order. A blank line is skipped, and so is a line cut short by a kill in the
-    middle of a write (with a message)."""
-    rows = []
+    """The rows of a metrics.jsonl, in order. A blank line is skipped, and so is a last line cut short by a kill in the
+    middle of a write (with a message). Any other line that is not a JSON object with an integer "step" is a UserError
+    naming the file and line: this program never writes one, so the file was edited or damaged."""
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if i == len(lines) - 1:
                 print(f"metrics.jsonl: skipping a line cut short: {line[:80]!r}", file=sys.stderr)
+                continue
+            problem = f"is not JSON ({e})"
+        else:
+            if isinstance(row, dict) and type(row.get("step")) is int:
+                rows.append(row)
+                continue
+            problem = 'is not a JSON object with an integer "step"'
+        raise UserError(
+            f"{path}:{number} {problem}: {line.strip()[:80]!r}. Every line this program writes is one; the file was "
+            "edited or damaged. Delete that line (metrics.jsonl is the run's log; the training is in checkpoint/), "
+            "or move the file away to start the log afresh."
+        )
     return rows
 
 
@@ -47,7 +75,8 @@ def read_metrics(output_dir):
 def open_log(output_dir, resumed_at=None):
     """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
     its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
-    Under torchrun every rank reads it, and rank 0 alone writes it."""
+    The kept lines are written beside it and renamed over it, so a full disk cannot lose them. Under torchrun every
+    rank reads it, and rank 0 alone writes it."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
@@ -55,8 +84,17 @@ def open_log(output_dir, resumed_at=None):
         kept = [row for row in read_rows(path) if row["step"] <= resumed_at]
     distributed.barrier()  # every rank has read it before rank 0 rewrites it
     if distributed.is_main():
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in kept)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+            raise WriteFailed(
+                f"could not write {path}: {failure(e)}. It was not changed. Free space (or pass another "
+                "--output-dir), then run the same command again."
+            ) from None
     evals = [
         (row["step"], {k[5:]: v for k, v in row.items() if k.startswith("eval/")})
         for row in kept
@@ -142,8 +180,15 @@ def curves(output_dir):
     fig.suptitle(os.path.basename(os.path.normpath(output_dir)) + " (dotted lines: evaluations)")
     fig.tight_layout()
     path = os.path.join(output_dir, "curves.png")
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=80)
+    except OSError as e:
+        raise WriteFailed(
+            f"could not write {path}: {failure(e)}. The run itself is saved; free space, then "
+            f"python report.py {output_dir} draws it again."
+        ) from None
+    finally:
+        plt.close(fig)
     print(f"curves: {path}")
     return path
 
@@ -151,7 +196,10 @@ def curves(output_dir):
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python report.py OUTPUT_DIR")
-    curves(sys.argv[1])
+    try:
+        curves(sys.argv[1])
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -230,8 +278,28 @@ def log_step(path, step, args, m, reward_names):
 
 
 def write_log(path, row):
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    """Append one row to metrics.jsonl. A write that fails (a full disk) is cut back off the file, so no torn line is
+    left, and is a WriteFailed: the run stops without saving, and --resume redoes the steps since its checkpoint."""
+    line = (json.dumps(row) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start, written = os.lseek(fd, 0, os.SEEK_END), 0
+            try:
+                # a write may take a part of the line, and fail on the rest
+                while written < len(line):
+                    written += os.write(fd, line[written:])
+            except OSError:
+                os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise WriteFailed(
+            f"could not write {path}: {failure(e)}. The run stopped without saving: the last checkpoint in "
+            f"{os.path.dirname(path) or '.'} stands. Free space (or move the run elsewhere), then rerun with --resume "
+            "(--overwrite if no checkpoint was saved yet)."
+        ) from None
 
 
 def print_header(args, model):

@@ -64,11 +64,11 @@ FAULT_ARGV = [
 
 
 def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL):
-    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint). kill_after:
-    send it `signum` (SIGKILL unless told) that many seconds after its first line about training ("GRPO: ..."),
-    unless it finished first."""
+    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint, else --overwrite: a
+    kill before the first save may leave metrics rows). kill_after: send it `signum` (SIGKILL unless told) that many
+    seconds after its first line about training ("GRPO: ..."), unless it finished first."""
     argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
-    argv += ["--resume"] if checkpoint.find_last(str(out_dir)) else []
+    argv += ["--resume"] if checkpoint.find_last(str(out_dir)) else ["--overwrite"]
     log, started = (
         f"{out_dir}.log",
         lambda: open(log).read().count("GRPO:") if os.path.exists(log) else 0,
@@ -634,13 +634,15 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
         assert text in err
 
 
-def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(monkeypatch, capsys):
+def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
+    tmp_path, monkeypatch, capsys
+):
     def oom(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(train, "setup", oom)
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*CPU, "--demo"])
+        train.main([*CPU, "--demo", "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert (
         exit_info.value.code == 2
