@@ -344,19 +344,9 @@ class NonFiniteWeights(SaveFailed):
 
 
 def check_finite(model, output_dir, step):
-    """NonFiniteWeights, on every rank, when any weight of `model` is NaN or inf (under FSDP2, any rank's shard). One
-    fused kernel per dtype on the device: the largest |w| of each tensor (a max cannot overflow, as a sum of squares
-    can), one sync, and one all-reduce under torchrun so that every rank refuses together."""
-    tensors = [(n, p.detach()) for n, p in model.named_parameters()]
-    tensors = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in tensors]
-    tensors = [(n, p) for n, p in tensors if p.numel()]
-    bad = []
-    if tensors:
-        largest = torch._foreach_norm([p for _, p in tensors], math.inf)
-        # one sync
-        values = torch.stack([m.float().to(largest[0].device) for m in largest]).tolist()
-        bad = [n for (n, _), v in zip(tensors, values) if not math.isfinite(v)]
-    if distributed.all_sum([len(bad)])[0] == 0:
+    """NonFiniteWeights, on every rank, when any weight of `model` is NaN or inf (under FSDP2, any rank's shard)."""
+    bad, anywhere = nonfinite_weights(model)
+    if not anywhere:
         return
     where = (
         f" in {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''}"
@@ -370,6 +360,26 @@ def check_finite(model, output_dir, step):
         + ("--resume continues from it; " if resumable else "")
         + "lower --lr or set --max-grad-norm if it happens again."
     )
+
+
+def nonfinite_weights(model, trainable_only=False):
+    """The names of this rank's weights that hold NaN or inf (all of them, or the trainable ones only), and whether
+    any rank has one. One fused kernel per dtype on the device, the largest |w| of each tensor (a max cannot
+    overflow, as a sum of squares can), one sync, and one all-reduce under torchrun so that every rank agrees."""
+    tensors = [
+        (n, p.detach())
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trainable_only
+    ]
+    tensors = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in tensors]
+    tensors = [(n, p) for n, p in tensors if p.numel()]
+    bad = []
+    if tensors:
+        largest = torch._foreach_norm([p for _, p in tensors], math.inf)
+        # one sync
+        values = torch.stack([m.float().to(largest[0].device) for m in largest]).tolist()
+        bad = [n for (n, _), v in zip(tensors, values) if not math.isfinite(v)]
+    return bad, distributed.all_sum([len(bad)])[0] > 0
 
 
 def standing(output_dir):

@@ -387,7 +387,8 @@ def add_run_flags(p):
     g.add_argument(
         "--output-dir",
         default=None,
-        help="metrics.jsonl and checkpoint/ go here; if not given, runs/<model name>-seed<seed>",
+        help="metrics.jsonl and checkpoint/ go here; if not given, runs/<model name>[-addition][-lora]-seed<seed>. "
+        "A fresh run into a directory holding one is refused (see --resume, --overwrite)",
     )
     g.add_argument(
         "--save-every",
@@ -522,8 +523,11 @@ def parse_args(argv=None):
         )
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    if args.output_dir is None:
+    if args.output_dir is None:  # one directory per model, task, LoRA or not, and seed
         name = "demo" if args.demo else os.path.basename(os.path.normpath(args.model))
+        name += ("-addition" if args.task == "addition" else "") + (
+            "-lora" if args.lora_rank else ""
+        )
         args.output_dir = os.path.join("runs", f"{name}-seed{args.seed}")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UserError(

@@ -231,8 +231,9 @@ def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
     return str(path)
 
 
-def torchrun(out_dir, *argv, nproc=2):
-    command = [
+def torchrun_command(out_dir, *argv, nproc=2):
+    """python -m torch.distributed.run ... train.py --demo on the CPU, with `argv`."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -248,12 +249,20 @@ def torchrun(out_dir, *argv, nproc=2):
         "0",
         *argv,
     ]
+
+
+def torchrun_env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPU)
+
+
+def torchrun(out_dir, *argv, nproc=2):
+    """train.py --demo under torchrun with `argv`, to the end (exit code 0): its output."""
     result = subprocess.run(
-        command,
+        torchrun_command(out_dir, *argv, nproc=nproc),
         cwd=HERE,
         capture_output=True,
         text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPU),
+        env=torchrun_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout

@@ -288,10 +288,11 @@ def run_training(args, config_name, tokenizer, timer):
     """train.setup then train.train, as train.main runs them, with models.load_model giving the random-weight
     model and the phases timed. Returns (model or None, task or None, what happened)."""
 
-    def load_model(name, trust_remote_code=False):
-        return build_model(config_name, tokenizer, args.device), sampling.prepare_tokenizer(
-            tokenizer
-        )
+    def load_model(name, trust_remote_code=False, check_config=None):
+        model = build_model(config_name, tokenizer, args.device)
+        if check_config is not None:
+            check_config(model.config, config_name)
+        return model, sampling.prepare_tokenizer(tokenizer)
 
     task = model = error = None
     evals, t0 = [], time.perf_counter()

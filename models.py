@@ -6,7 +6,7 @@ import os
 import re
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import sampling
 from errors import UserError
@@ -27,14 +27,22 @@ def resolve_model_name(name):
     return name
 
 
-def load_model(name, trust_remote_code=False):
-    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried."""
+def load_model(name, trust_remote_code=False, check_config=None):
+    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried.
+    check_config(config, name): called on its config.json before the weights load (a UserError stops there)."""
     resolved = resolve_model_name(name)
     local = os.path.abspath(os.path.expanduser(name))
     try:
         kw = dict(trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=torch.float32, **kw)
+        model_config = AutoConfig.from_pretrained(resolved, **kw)
+        if check_config is not None:
+            check_config(model_config, name)
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved, config=model_config, dtype=torch.float32, **kw
+        )
+    except UserError:
+        raise
     except Exception as e:  # OSError (missing / offline), ValueError (unknown architecture), HFValidationError, ...
         reason = " ".join(str(e).split())[:400]
         hub = "" if os.path.isdir(local) else f"; the Hugging Face hub id {resolved!r} ({reason})"
@@ -47,6 +55,23 @@ def load_model(name, trust_remote_code=False):
             "directory; models with custom code also need --trust-remote-code."
         ) from None
     return model, sampling.prepare_tokenizer(tokenizer)
+
+
+def check_context(max_new_tokens, max_prompt_length, config, name):
+    """UserError when --max-new-tokens (with --max-prompt-length, if given) leaves no room for the prompt in the
+    model's context (max_position_embeddings): prompts would be cut to nothing and the first forward would fail."""
+    context = getattr(config, "max_position_embeddings", None)
+    prompt = max_prompt_length or 1  # at least one prompt token before the completion
+    if context is not None and max_new_tokens + prompt > context:
+        given = f"--max-new-tokens {max_new_tokens}" + (
+            f" + --max-prompt-length {max_prompt_length}" if max_prompt_length else " + a prompt"
+        )
+        raise UserError(
+            f"{given} do not fit {name}'s context of {context} tokens (max_position_embeddings in its config). "
+            f"Lower --max-new-tokens to at most {context - prompt}"
+            + (" or --max-prompt-length" if max_prompt_length else "")
+            + "."
+        )
 
 
 def reference_model(model, beta, dtype, device, copy_model=True):
@@ -64,6 +89,22 @@ def reference_model(model, beta, dtype, device, copy_model=True):
         for p in ref.parameters():
             p.data = p.data.to(dtype)
     return ref.to(device)
+
+
+def disable_dropout(model):
+    """Turn off the model's own dropout, in place: every torch.nn.Dropout (p = 0) and every float attribute whose name
+    ends in "dropout" (Llama, Qwen2 and others keep attention dropout as a float, `attention_dropout`, that they pass
+    to the attention kernel in training mode, not as a module). With μ > 1, π_old's log-probs and π_θ's would
+    otherwise come from different dropout masks, and the ratio of eq. 3 would be noise even before any update. peft's
+    LoRA dropout is left as --lora-dropout set it (its default is 0). The saved config.json is not touched."""
+    for name, module in model.named_modules():
+        if "lora_dropout" in name:
+            continue
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for attr, value in vars(module).items():
+            if attr.endswith("dropout") and isinstance(value, float):
+                setattr(module, attr, 0.0)
 
 
 def add_lora(model, args, resume_dir=None):

@@ -3,6 +3,9 @@ another order: ~1e-8, asked 1e-6), and train.py under torchrun (the demo, FSDP2,
 """
 
 import os
+import signal
+import subprocess
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -13,7 +16,16 @@ import distributed
 import grpo
 import sampling
 import train
-from conftest import NO_GPU, assert_same_run, read_metrics, tiny_rollouts, torchrun
+from conftest import (
+    HERE,
+    NO_GPU,
+    assert_same_run,
+    read_metrics,
+    tiny_rollouts,
+    torchrun,
+    torchrun_command,
+    torchrun_env,
+)
 
 # Group 0 long, group 1 one token each: a per-rank normalizer would be wrong, and under FSDP2 rank 1's micro-batch
 # of 1-token completions must still run the same forwards as rank 0's.
@@ -165,3 +177,88 @@ def test_distributed_resume_under_torchrun_is_exact(tmp_path):
     torchrun(tmp_path / "resumed", *argv, "--steps", "1")
     torchrun(tmp_path / "resumed", *argv, "--resume")
     assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+
+
+def torchrun_stopped(out_dir, argv, send):
+    """train.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged. Returns its output."""
+    proc = subprocess.Popen(
+        torchrun_command(out_dir, *argv),
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=torchrun_env(),
+        start_new_session=True,  # its own process group, as a terminal's job or a scheduler's job step
+    )
+    log = os.path.join(out_dir, "metrics.jsonl")
+    while proc.poll() is None and not (os.path.exists(log) and len(open(log).readlines()) >= 3):
+        time.sleep(0.02)
+    send(proc)
+    return proc.communicate(timeout=300)[0]
+
+
+def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_step_and_resume_exactly(
+    tmp_path,
+):
+    """Ctrl-C in a terminal reaches every process of torchrun's group (SIGINT), and torchrun forwards a SIGTERM to
+    each worker right after: one request, not the "second signal" that stops at once without saving. A scheduler's
+    SIGTERM to torchrun alone is forwarded the same way. Either way every rank finishes the same step, they save it
+    together, and --resume continues to the weights and metrics of a run never stopped."""
+    argv = ["--steps", "8", "--eval-every", "-1", "--save-every", "0", "--lr-scheduler", "constant"]
+    argv += [
+        "--demo-warmup-steps",
+        "0",
+        "--reward-fn",
+        "conftest:varied_reward",
+        "--num-iterations",
+        "2",
+    ]
+    torchrun(tmp_path / "straight", *argv)
+    for name, send in [
+        ("ctrl-c", lambda proc: os.killpg(proc.pid, signal.SIGINT)),
+        ("sigterm", lambda proc: proc.send_signal(signal.SIGTERM)),
+    ]:
+        out = torchrun_stopped(tmp_path / name, argv, send)
+        logged = len(read_metrics(tmp_path / name))
+        assert 3 <= logged < 8, out[-3000:]
+        # the step every rank finished is saved, once
+        assert out.count(f"saved {tmp_path / name / 'checkpoint'} (step {logged})") == 1, out[
+            -3000:
+        ]
+        assert checkpoint.load_state(str(tmp_path / name / "checkpoint"))["step"] == logged
+        torchrun(tmp_path / name, *argv, "--resume")
+        assert_same_run(tmp_path / "straight", tmp_path / name)
+
+
+def test_distributed_a_reward_error_on_one_rank_stops_every_rank_and_they_save_together(tmp_path):
+    """Rank 1's reward function raises in step 3. Before, rank 1 exited alone, rank 0 waited in the next collective
+    until torchrun killed it, and steps since the last checkpoint were lost. Now both ranks stop after scoring, save
+    step 3's start together (steps 1-2 done), and the message names the function."""
+    (tmp_path / "rank_rewards.py").write_text(
+        "import os\n"
+        "calls = []\n"
+        "def fails_on_rank_1(completions, answers):\n"
+        "    calls.append(1)\n"
+        "    if os.environ['RANK'] == '1' and len(calls) == 3:\n"
+        "        raise ValueError('rank 1 broke')\n"
+        "    return [float(len(c) % 5) for c in completions]\n"
+    )
+    argv = ["--steps", "5", "--eval-every", "-1", "--save-every", "0", "--demo-warmup-steps", "0"]
+    argv += ["--reward-fn", "rank_rewards:fails_on_rank_1"]
+    env = dict(torchrun_env(), PYTHONPATH=str(tmp_path))
+    result = subprocess.run(
+        torchrun_command(tmp_path / "run", *argv),
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    out = result.stdout + result.stderr
+    assert (
+        result.returncode != 0
+        and "reward function 'fails_on_rank_1' raised ValueError: rank 1 broke" in out
+    )
+    assert out.count(f"saved {tmp_path / 'run' / 'checkpoint'} (step 2)") == 1, out[-3000:]
+    assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]

@@ -101,6 +101,75 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
         assert (ratio2 - 1).abs().max() > 1e-3  # after the first update the ratio moved away from 1
 
 
+def second_update_ratios(tmp_path, monkeypatch, *flags):
+    """The mean ratio π_θ/π_old of each step's second update (μ = 2, lr 0: the weights never move), for a tiny model
+    whose attention has dropout 0.5 as a checkpoint's config.json can set it (a float attribute, not a module)."""
+    ratios, real_setup, real_update = [], train.setup, train.policy_update
+
+    def setup_with_dropout(args, resume_dir=None):
+        task, model, tokenizer = real_setup(args, resume_dir)
+        model.config.attention_dropout = 0.5
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5
+        return task, model, tokenizer
+
+    def spy_update(*a, **kw):
+        stats, logps = real_update(*a, **kw)
+        ratios.append(stats["ratio"])
+        return stats, logps
+
+    monkeypatch.setattr(train, "setup", setup_with_dropout)
+    monkeypatch.setattr(train, "policy_update", spy_update)
+    run_tiny(tmp_path, "--num-iterations", "2", "--lr", "0", "--steps", "2", *flags)
+    return ratios[1::2]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dropout_is_off_in_the_policy_forwards_so_at_lr_0_the_ratio_is_exactly_1(
+    tmp_path, monkeypatch, dtype
+):
+    # Without --dropout, π_old's log-probs (the first update's forward) and π_θ's (the second's) come from the same
+    # network: at lr 0 the ratio is 1 bit for bit, in fp32 and under bf16 autocast (the same kernels on the same
+    # inputs). With --dropout, each forward draws its own mask.
+    assert second_update_ratios(tmp_path / "off", monkeypatch, "--dtype", dtype) == [1.0, 1.0]
+    noisy = second_update_ratios(tmp_path / "on", monkeypatch, "--dtype", dtype, "--dropout")
+    assert all(abs(r - 1) > 1e-3 for r in noisy), noisy
+
+
+def test_lora_dropout_is_off_by_default_and_on_when_asked(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    real_add_lora = models.add_lora
+
+    def trained_lora(
+        *a, **kw
+    ):  # B starts at 0, which would hide the branch's dropout: as if already trained
+        peft_model = real_add_lora(*a, **kw)
+        torch.manual_seed(0)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.5)
+        return peft_model
+
+    monkeypatch.setattr(models, "add_lora", trained_lora)
+    lora = ("--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj")
+    assert second_update_ratios(tmp_path / "off", monkeypatch, *lora) == [1.0, 1.0]
+    # --lora-dropout asks for LoRA's dropout (the model's own stays off)
+    noisy = second_update_ratios(tmp_path / "on", monkeypatch, *lora, "--lora-dropout", "0.3")
+    assert all(abs(r - 1) > 1e-4 for r in noisy), noisy
+
+
+def test_disable_dropout_zeroes_dropout_modules_and_float_attributes_but_not_loras():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3))
+    net.attention_dropout, net.lora_dropout, net.hidden_size = 0.2, torch.nn.Dropout(0.1), 2
+    models.disable_dropout(net)
+    assert (net[1].p, net.attention_dropout, net.lora_dropout.p, net.hidden_size) == (
+        0.0,
+        0.0,
+        0.1,
+        2,
+    )
+
+
 def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_batch():
     model, _ = demo.model_and_tokenizer(seed=0)
     # micro-batch 1 needs 2 columns, 2 needs 4
@@ -537,9 +606,10 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
 
 
 def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_path):
-    # python train.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~25 s). Measured on this CPU: +0.165
-    # for seed 42 (this test); the full 150 steps gave +0.30, +0.40, +0.44 for seeds 0, 1, 2 and +0.22 for 42. The
-    # threshold +0.10 is 5 noise standard deviations (~0.02, as above) above zero.
+    # python train.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~10 s). Measured on this CPU with LoRA's
+    # dropout off (the default since 2026-11-23): +0.35 for seed 42 (this test); the full 150 steps gave +0.415,
+    # +0.59, +0.52 for seeds 0, 1, 2 and +0.43 for 42. The threshold +0.10 is 5 noise standard deviations (~0.02, as
+    # above) above zero.
     pytest.importorskip("peft")
     history = train.main(
         [

@@ -74,7 +74,7 @@ def train(args, task, model, tokenizer, resume_dir=None):
             # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
             rollouts = sampling.sample_rollouts(model, tokenizer, prompts, settings, G, amp)
             # 8: compute the rewards r_i of each o_i: [B*G] in all, and {name: [B*G]} per function.
-            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths)
+            reward, per_fn = on_every_rank(task.score, rows, rollouts.texts, G, rollouts.lengths)
             # DAPO's dynamic sampling: drop groups without reward spread, sample more prompts to refill.
             dynamic = {}
             if args.dynamic_sampling:
@@ -163,15 +163,19 @@ class StopRequests:
     """SIGINT (Ctrl-C), SIGTERM and SIGHUP (what SLURM, Kubernetes and spot instances send before they kill a job)
     during train(). Inside a step the first one is a request: the step finishes, is saved as every step boundary
     can be (so --resume continues exactly), and the run exits with 128 + the signal's number. A second one stops at
-    once, as Ctrl-C always did (the step counts as done after its first update, else is redone). During an
+    once, as Ctrl-C always did (the step counts as done after its first update, else is redone), unless it comes
+    within SAME_REQUEST_S of the first: then it is the same request. During an
     evaluation (training is saved before every one) and the closing table, a signal stops at once. main() installs
     the handlers (`with STOPS:`, main thread only, where Python runs them) and restores them after; train() called
     from your own code keeps your handlers, and a signal does what they do."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # A second signal within this many seconds of the first is the same request delivered twice: Ctrl-C under
+    # torchrun reaches each worker from the terminal (SIGINT) and again from torchrun, which forwards SIGTERM.
+    SAME_REQUEST_S = 1.0
 
     def __init__(self):
-        self.signum, self.immediate, self.previous = None, False, {}
+        self.signum, self.immediate, self.previous, self.first_at = None, False, {}, 0.0
 
     def __enter__(self):
         self.signum = None
@@ -186,9 +190,13 @@ class StopRequests:
         self.signum, self.previous = None, {}
 
     def handle(self, signum, frame):
-        if self.immediate or self.signum is not None:
+        if self.immediate:
             raise Stopped(signum)
-        self.signum = signum
+        if self.signum is not None:
+            if time.monotonic() - self.first_at > self.SAME_REQUEST_S:
+                raise Stopped(signum)
+            return
+        self.signum, self.first_at = signum, time.monotonic()
         print(
             f"\n{signal.Signals(signum).name}: finishing this step, then saving and exiting "
             "(again to stop at once)",
@@ -214,6 +222,28 @@ class StopRequests:
 
 
 STOPS = StopRequests()
+
+
+class EveryRankError(UserError):
+    """A reward error on one rank (under torchrun), raised on every rank at the same point, so that they all save
+    the step's start together (checkpoint.save_interrupted: `everywhere`) instead of waiting for one another."""
+
+    everywhere = True
+
+
+def on_every_rank(score, *args):
+    """score(*args), where a UserError (a reward function that raised, hung or returned NaN) on any rank stops every
+    rank here: one all-reduce under torchrun, nothing alone."""
+    error = None
+    try:
+        result = score(*args)
+    except UserError as e:
+        error = e
+    if distributed.all_sum([error is not None])[0] > 0:
+        raise EveryRankError(
+            str(error) if error else "a reward function failed in another process (see its error)"
+        )
+    return result
 
 
 def prompts_per_step(args):
@@ -339,6 +369,10 @@ def build_run(args, model, tokenizer, resume_dir=None):
         and not checkpoint.policy_loaded_from_checkpoint(args, resume_dir)
     ):
         model = checkpoint.load_policy(resume_dir, model, args)
+    if (
+        not args.dropout
+    ):  # the same network for π_old and π_θ (π_ref runs in eval mode: no dropout either)
+        models.disable_dropout(model)
     model.to(args.device)
     if args.gradient_checkpointing:
         sampling.enable_gradient_checkpointing(model)
@@ -589,6 +623,17 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
     else:
         optimizer.step()
     scheduler.step()
+    # What the checks above cannot see (a clipping or optimizer fault turning finite gradients into NaN weights)
+    # stops the run here: the update cannot be undone, and nothing non-finite is ever saved.
+    bad, anywhere = checkpoint.nonfinite_weights(model, trainable_only=True)
+    if anywhere:
+        raise checkpoint.NonFiniteWeights(
+            "an optimizer update made the weights non-finite (NaN or inf"
+            + (f" in {', '.join(bad[:3])}" if bad else " on another rank")
+            + f") although its loss and gradient norm were finite (gradient norm {float(grad_norm):.4g}). Nothing "
+            "was saved over the last checkpoint in the output directory: --resume continues from it. Check --lr, "
+            "--weight-decay and --max-grad-norm."
+        )
     return grad_norm, None
 
 
@@ -830,11 +875,16 @@ def setup(args, resume_dir=None):
             + f"), but the training data has "
             f"{len(task.train)} rows. Lower --batch-size or --gradient-accumulation-steps, or add rows."
         )
-    if not args.demo:
-        name = (
-            resume_dir if checkpoint.policy_loaded_from_checkpoint(args, resume_dir) else args.model
-        )
-        model, tokenizer = models.load_model(name, args.trust_remote_code)
+    # --eval-only --resume evaluates the checkpoint: load it in place of --model (LoRA: --model, then its adapter)
+    from_checkpoint = checkpoint.policy_loaded_from_checkpoint(args, resume_dir) or (
+        args.eval_only and resume_dir is not None and not args.lora_rank
+    )
+    fits = functools.partial(models.check_context, args.max_new_tokens, args.max_prompt_length)
+    if args.demo:
+        fits(model.config, "the demo's model")
+    else:
+        name = resume_dir if from_checkpoint else args.model
+        model, tokenizer = models.load_model(name, args.trust_remote_code, check_config=fits)
     return task, model, tokenizer
 
 
@@ -866,18 +916,22 @@ def main(argv=None):
                     f"--plot {args.plot}: there is no metrics.jsonl in it. Pass a run's --output-dir."
                 )
             return report.curves(args.plot)
-        resume_dir = (
-            checkpoint.find_last(args.output_dir) if args.resume and not args.eval_only else None
-        )
-        if args.resume and not args.eval_only and resume_dir is None:
+        # --eval-only --resume: evaluate the checkpoint's policy
+        resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
+        if args.resume and resume_dir is None:
             raise UserError(
                 f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "
                 "with training_state.pt). Pass the --output-dir of the run to continue, or drop --resume."
             )
-        task, model, tokenizer = setup(args, resume_dir)
-        if not args.eval_only:
-            with STOPS:  # Ctrl-C, SIGTERM, SIGHUP: a step finishes and is saved first
-                return train(args, task, model, tokenizer, resume_dir)
+        # Before the model loads: one run per output directory, locked while it is live (--eval-only: no claim).
+        with checkpoint.claim_output_dir(args):
+            task, model, tokenizer = setup(args, resume_dir)
+            if not args.eval_only:
+                with STOPS:  # Ctrl-C, SIGTERM, SIGHUP: a step finishes and is saved first
+                    return train(args, task, model, tokenizer, resume_dir)
+        if resume_dir is not None:
+            model = checkpoint_policy(model, args, resume_dir)
+            print(f"evaluating the policy in {resume_dir}")
         result = evaluate_as_flagged(model.to(args.device), tokenizer, task, args)
         print(
             f"eval on {len(task.eval[: args.eval_limit])} questions x {args.eval_samples} samples: "
@@ -887,15 +941,35 @@ def main(argv=None):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except torch.cuda.OutOfMemoryError:
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        device = "CUDA" if isinstance(e, torch.OutOfMemoryError) else "the CPU (RAM)"
         print(
-            "error: CUDA ran out of memory. Lower the memory per forward/backward with --micro-batch-size (in "
+            f"error: {device} ran out of memory. Lower the memory per forward/backward with --micro-batch-size (in "
             "completions, a multiple of --num-generations; e.g. the group size alone), turn on "
             "--gradient-checkpointing, or lower --max-new-tokens / --num-generations / --eval-batch-size. "
             "The last checkpoint (if any) is in the output directory; add --resume to continue from it.",
             file=sys.stderr,
         )
         raise SystemExit(2) from None
+
+
+def out_of_memory(e):
+    """Whether an exception is an allocation failing: CUDA's OutOfMemoryError, Python's MemoryError, or the
+    RuntimeError torch's CPU allocator raises ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
+def checkpoint_policy(model, args, resume_dir):
+    """--eval-only --resume: π_θ as the checkpoint holds it. With --lora-rank, --model with the checkpoint's adapter
+    on, as in training (not merged: merging an adapter on a tied lm-head would change the input embedding too); else
+    the checkpoint's own weights (setup loaded them already, except for the demo's model, which it builds in code)."""
+    if args.lora_rank:
+        return models.add_lora(model, args, resume_dir).get_base_model()
+    if args.demo:
+        return checkpoint.load_policy(resume_dir, model, args)
+    return model
 
 
 if __name__ == "__main__":
