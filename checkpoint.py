@@ -203,6 +203,11 @@ def save_run(run, args, step, rng, final=False):
     if distributed.is_main():
         if args.fsdp:  # AdamW's state is sharded too: the checkpoint holds the weights (--resume: not with --fsdp)
             state["optimizer"] = None
+        size, t0 = checkpoint_bytes(run.model), time.time()
+        if (
+            size > LARGE_SAVE_BYTES
+        ):  # seconds to minutes on a large model: say so before, not only after
+            print(f"saving a checkpoint at step {step} ({size / 1e9:.1f} GB) ...", flush=True)
         path = save(
             args.output_dir,
             run.model,
@@ -212,8 +217,18 @@ def save_run(run, args, step, rng, final=False):
             merge=final or step >= args.steps,
             weights=weights,
         )
-        print(f"saved {path} (step {step})", flush=True)
+        print(f"saved {path} (step {step}) in {time.time() - t0:.1f} s", flush=True)
     distributed.barrier()
+
+
+LARGE_SAVE_BYTES = 1e9  # a save announces itself beforehand above this size
+
+
+def checkpoint_bytes(model):
+    """About how many bytes a checkpoint of `model` writes: its weights, and AdamW's two fp32 moments of each
+    trainable weight (this rank's shards under FSDP2: a lower bound)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights + sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):

@@ -4,6 +4,7 @@
 import copy
 import os
 import re
+import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -32,6 +33,9 @@ def load_model(name, trust_remote_code=False, check_config=None):
     check_config(config, name): called on its config.json before the weights load (a UserError stops there)."""
     resolved = resolve_model_name(name)
     local = os.path.abspath(os.path.expanduser(name))
+    t0 = time.time()
+    # minutes for a large model (a first download, then reading the weights): never look hung
+    print(f"loading {resolved} ...", flush=True)
     try:
         kw = dict(trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
@@ -54,6 +58,10 @@ def load_model(name, trust_remote_code=False, check_config=None):
             "each with or without -Instruct). On a machine without network, download the model elsewhere and pass its "
             "directory; models with custom code also need --trust-remote-code."
         ) from None
+    count = sum(p.numel() for p in model.parameters())
+    print(
+        f"loaded {resolved}: {count / 1e9:.2f}B parameters in {time.time() - t0:.0f} s", flush=True
+    )
     return model, sampling.prepare_tokenizer(tokenizer)
 
 

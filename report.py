@@ -322,6 +322,15 @@ def format_seconds(s):
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.0f}s"
 
 
+def print_eval_progress(done, total, seconds):
+    """One line per evaluation batch: questions done (this rank's), time so far and about how long is left."""
+    left = seconds / done * (total - done) if done else 0.0
+    print(
+        f"  eval: {done}/{total} questions, {format_seconds(seconds)}, about {format_seconds(left)} left",
+        flush=True,
+    )
+
+
 def print_sample(args, step, prompt, responses, reward, answer):
     if args.sample_every <= 0 or step % args.sample_every:
         return

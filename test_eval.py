@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import types
 from unittest import mock
 
@@ -13,7 +14,7 @@ import data
 import rewards
 import sampling
 import train
-from conftest import CPU, read_metrics, tiny_model_dir
+from conftest import CPU, read_metrics, tiny_model_dir, write_gsm8k
 
 # --- maj@k: the answer most of a question's k completions give, scored ------------------------------------------------
 
@@ -180,3 +181,31 @@ def test_curves_draw_maj_and_pass_at_k_beside_the_mean(tmp_path):
     assert drawn["correctness (eval)"] == [0.1, 0.3]
     assert drawn["correctness_maj@8 (eval)"] == [0.2, 0.4]
     assert drawn["correctness_pass@8 (eval)"] == [0.45, 0.5]
+
+
+# --- a long run says what it is doing ---------------------------------------------------------------------------------
+
+
+def test_loading_evaluation_and_saving_say_what_they_are_doing(tmp_path, monkeypatch, capsys):
+    # The first minutes of a 1.7B run (loading, the first evaluation over 1,319 questions, a 20 GB save) used to
+    # print nothing until the first batch or the save was done. Here: 5 held-out questions in batches of 2, and the
+    # announcing threshold lowered so the tiny model's save counts as large.
+    monkeypatch.setattr(train.checkpoint, "LARGE_SAVE_BYTES", 0)
+    (tmp_path / "data").mkdir()
+    train_file = write_gsm8k(tmp_path / "data" / "train.jsonl")
+    write_gsm8k(tmp_path / "data" / "test.jsonl", n=5)
+    argv = [*CPU, "--model", tiny_model_dir(tmp_path), "--data", train_file, "--steps", "1"]
+    argv += ["--num-generations", "2", "--max-new-tokens", "4", "--eval-samples", "2"]
+    argv += ["--eval-batch-size", "2", "--output-dir", str(tmp_path / "run")]
+    train.main(argv)
+    out = capsys.readouterr().out
+    model = tiny_model_dir(tmp_path)
+    assert f"loading {model} ...\n" in out
+    assert re.search(rf"loaded {re.escape(str(model))}: 0\.00B parameters in \d+ s\n", out)
+    assert "  eval: 5 questions x 2 samples ...\n" in out
+    # one line per batch of 2 questions, the last with nothing left
+    progress = re.findall(r"  eval: (\d)/5 questions, \d+s, about (\d+)s left\n", out)
+    assert [done for done, _ in progress] == ["2", "4", "5"] * 2 and progress[2][1] == "0"
+    assert re.search(
+        r"saving a checkpoint at step 1 \(0\.0 GB\) \.\.\.\nsaved .* \(step 1\) in ", out
+    )

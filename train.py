@@ -696,6 +696,10 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
     torchrun each rank takes every world-th question (its RNG seeded with seed + rank) and the tables are gathered."""
     every, chunks, t0 = task.eval[:limit], [], time.time()
     rows = every[distributed.rank() :: distributed.world()]
+    if (
+        len(rows) > batch_size and distributed.is_main()
+    ):  # a long one says so before its first batch
+        print(f"  eval: {len(every)} questions x {samples} samples ...", flush=True)
     device = next(model.parameters()).device
     with torch.random.fork_rng(
         devices=[torch.cuda.current_device()] if device.type == "cuda" else []
@@ -717,11 +721,10 @@ def evaluate(model, tokenizer, task, settings, samples, limit=None, batch_size=8
                     chunks[-1][MAJORITY] = majority_choices(
                         task, task.responses(rollouts.texts), samples
                     )
-            if len(rows) > batch_size:  # a progress line per generate call
-                print(
-                    f"  eval: {i + len(chunk)}/{len(rows)} questions, {report.format_seconds(time.time() - t0)}",
-                    flush=True,
-                )
+            if (
+                len(rows) > batch_size and distributed.is_main()
+            ):  # a progress line per generate call
+                report.print_eval_progress(i + len(chunk), len(rows), time.time() - t0)
     # every rank's
     chunks = [
         c
