@@ -1,5 +1,6 @@
 """What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (written here, truncated here on --resume,
-read back here), the closing before/after table, and the training curves drawn from them, OUTPUT_DIR/curves.png.
+read back here), with --report-to the same rows and sampled completions in TensorBoard or W&B (trackers.py, fed
+here), the closing before/after table, and the training curves drawn from them, OUTPUT_DIR/curves.png.
 matplotlib is optional; without it, one line says how to get the plot.
 
     python report.py OUTPUT_DIR          # the same as: python train.py --plot OUTPUT_DIR
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 
 import distributed
+import trackers
 from errors import UserError
 
 
@@ -72,11 +74,16 @@ def read_metrics(output_dir):
     return steps, evals
 
 
-def open_log(output_dir, resumed_at=None):
+# The trackers (--report-to) of each open metrics.jsonl, by its absolute path: rank 0's, from open_log to close_log.
+OPEN_TRACKERS = {}
+
+
+def open_log(output_dir, resumed_at=None, args=None):
     """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
     its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
     The kept lines are written beside it and renamed over it, so a full disk cannot lose them. Under torchrun every
-    rank reads it, and rank 0 alone writes it."""
+    rank reads it, and rank 0 alone writes it. With the run's flags (args), the trackers --report-to names start
+    too: every row written to this log goes to them (write_log) until close_log."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
@@ -100,7 +107,19 @@ def open_log(output_dir, resumed_at=None):
         for row in kept
         if any(k.startswith("eval/") for k in row)
     ]
+    if args is not None:
+        close_log()  # one run at a time: any trackers a run that stopped on an error left open
+        OPEN_TRACKERS[os.path.abspath(path)] = trackers.start(args, output_dir, resumed_at)
     return path, evals
+
+
+def close_log(path=None):
+    """Close the trackers of the metrics.jsonl at `path` (None: of every log still open in this process)."""
+    paths = list(OPEN_TRACKERS) if path is None else [os.path.abspath(path)]
+    for key in paths:
+        opened = OPEN_TRACKERS.pop(key, None)
+        if opened is not None:
+            opened.close()
 
 
 def curves(output_dir):
@@ -278,8 +297,9 @@ def log_step(path, step, args, m, reward_names):
 
 
 def write_log(path, row):
-    """Append one row to metrics.jsonl. A write that fails (a full disk) is cut back off the file, so no torn line is
-    left, and is a WriteFailed: the run stops without saving, and --resume redoes the steps since its checkpoint."""
+    """Append one row to metrics.jsonl, then send it to the log's trackers (if any). A write that fails (a full disk)
+    is cut back off the file, so no torn line is left, and is a WriteFailed: the run stops without saving, and
+    --resume redoes the steps since its checkpoint."""
     line = (json.dumps(row) + "\n").encode()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -300,6 +320,9 @@ def write_log(path, row):
             f"{os.path.dirname(path) or '.'} stands. Free space (or move the run elsewhere), then rerun with --resume "
             "(--overwrite if no checkpoint was saved yet)."
         ) from None
+    opened = OPEN_TRACKERS.get(os.path.abspath(path))
+    if opened is not None:
+        opened.log(row)
 
 
 def print_header(args, model):
@@ -331,14 +354,24 @@ def print_eval_progress(done, total, seconds):
     )
 
 
-def print_sample(args, step, prompt, responses, reward, answer):
+def print_sample(args, step, prompt, responses, rewards, answer):
+    """Every --sample-every steps, the first completion of a group (responses, with their rewards [G]) on stdout;
+    the whole group, with its prompt and reference answer, to the run's trackers (--report-to)."""
     if args.sample_every <= 0 or step % args.sample_every:
         return
     print(
-        f"--- sample at step {step}: reward {reward:.2f}, reference answer {answer}\n[prompt, last 300 characters]\n"
-        f"{prompt[-300:]}\n[completion]\n{responses[0]}\n---",
+        f"--- sample at step {step}: reward {float(rewards[0]):.2f}, reference answer {answer}\n"
+        f"[prompt, last 300 characters]\n{prompt[-300:]}\n[completion]\n{responses[0]}\n---",
         flush=True,
     )
+    opened = OPEN_TRACKERS.get(os.path.abspath(os.path.join(args.output_dir, "metrics.jsonl")))
+    if opened is not None:
+        answer = answer if isinstance(answer, str) else json.dumps(answer, default=str)
+        samples = [
+            dict(prompt=prompt, completion=text, reward=float(reward), answer=answer)
+            for text, reward in zip(responses, rewards)
+        ]
+        opened.log_samples(step, samples)
 
 
 def print_eval_table(evals, count, args):

@@ -129,7 +129,8 @@ def train(args, task, model, tokenizer, resume_dir=None):
             log_step(run.log_path, step + 1, args, metrics, list(per_fn))
             first = task.prompt(tokenizer, rows[0]["prompt"])
             responses = task.responses(rollouts.texts)
-            report.print_sample(args, step + 1, first, responses, reward[0], rows[0]["answer"])
+            # the first group's G completions and rewards
+            report.print_sample(args, step + 1, first, responses[:G], reward[:G], rows[0]["answer"])
             zero_std_streak, stop = count_zero_std(
                 zero_std_streak, metrics["frac_zero_std"], args, step + 1
             )
@@ -276,9 +277,10 @@ def longest_prompt(task, tokenizer, limit):
 
 
 def finish(run, task, args):
-    """The closing before/after table, and curves.png."""
+    """The closing before/after table, the trackers closed (--report-to), and curves.png."""
     if len(run.evals) > 1:
         report.print_eval_table(run.evals, len(task.eval[: args.eval_limit]), args)
+    report.close_log(run.log_path)
     if distributed.is_main():
         report.curves(args.output_dir)
 
@@ -405,7 +407,10 @@ def build_run(args, model, tokenizer, resume_dir=None):
         if resume_dir is None
         else checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
     )
-    log_path, evals = report.open_log(args.output_dir, step if resume_dir is not None else None)
+    # metrics.jsonl, and the trackers of --report-to
+    log_path, evals = report.open_log(
+        args.output_dir, step if resume_dir is not None else None, args
+    )
     return Run(
         model,
         ref_model,
