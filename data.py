@@ -2,7 +2,9 @@
 
 GSM8K (Cobbe et al. 2021, arXiv 2110.14168) is 7,473 train and 1,319 test grade-school word problems.
 Each JSONL row is {"question": ..., "answer": "<worked solution>\\n#### <final number>"}; the data
-lives in the openai/grade-school-math GitHub repository (MIT license).
+lives in the openai/grade-school-math GitHub repository (MIT license). --data and --eval-data also
+take a Hugging Face dataset (the Hub's openai/gsm8k, a save_to_disk directory, Parquet files...):
+see parse_source; its rows are built and checked as JSONL rows are.
 
 How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed, s), a pure
 function of the step, so a resumed run continues with exactly the batches it would have seen (no iterator
@@ -10,6 +12,8 @@ state to save); each row's prompt (a GSM8K question) goes through task.template,
 repeated G times beside the G completions that the reward functions score.
 """
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -128,47 +132,55 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
         if split not in ("train", "test"):
             raise ValueError(f"GSM8K has splits 'train' and 'test', not {split!r}")
         path = _download(split)
-    rows = []
-    for where, row in read_jsonl(path):
-        for field in ("question", "answer"):
-            if not isinstance(row.get(field), str):
-                raise ValueError(f"{where}: missing string field {field!r}")
-        if "####" not in row["answer"]:
-            raise ValueError(f"{where}: answer has no '####' final-answer marker")
-        final = row["answer"].split("####")[-1].strip().replace(",", "")
-        if not _GOLD.fullmatch(final):
-            raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
-        rows.append({"prompt": row["question"], "answer": final})
-    return rows
+    return [gsm8k_row(where, record) for where, record in read_jsonl(path)]
+
+
+def gsm8k_row(where, record):
+    """GSM8K's row {"prompt": the question, "answer": the final number} from a record (a JSONL
+    line's object, a dataset's row) with a "question" string and an "answer" string ending in
+    "#### <number>". A bad record raises ValueError starting with `where` ("file:line")."""
+    for field in ("question", "answer"):
+        if not isinstance(record.get(field), str):
+            raise ValueError(f"{where}: missing string field {field!r}")
+    if "####" not in record["answer"]:
+        raise ValueError(f"{where}: answer has no '####' final-answer marker")
+    final = record["answer"].split("####")[-1].strip().replace(",", "")
+    if not _GOLD.fullmatch(final):
+        raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
+    return {"prompt": record["question"], "answer": final}
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
     """Your own task's rows from any JSONL file, taken as they are: {"prompt": row[prompt_field] (a string),
     "answer": row[answer_field] (any JSON value), "fields": every other field}. Errors as in load_gsm8k."""
-    rows = []
-    for where, row in read_jsonl(path):
-        if not isinstance(row.get(prompt_field), str):
-            got = (
-                "missing"
-                if prompt_field not in row
-                else f"a {type(row[prompt_field]).__name__}, not a string"
-            )
-            raise ValueError(
-                f"{where}: the prompt field {prompt_field!r} is {got} (fields: {', '.join(row)})"
-            )
-        if answer_field not in row:
-            raise ValueError(
-                f"{where}: no answer field {answer_field!r} (fields: {', '.join(row)})"
-            )
-        others = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-        reserved = sorted(set(others) & {"prompts", "completion_lengths"})
-        if reserved:
-            raise ValueError(
-                f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
-                "from train.py; rename the field"
-            )
-        rows.append({"prompt": row[prompt_field], "answer": row[answer_field], "fields": others})
-    return rows
+    return [
+        own_row(where, record, prompt_field, answer_field) for where, record in read_jsonl(path)
+    ]
+
+
+def own_row(where, record, prompt_field, answer_field):
+    """Your own task's row from a record (a JSONL line's object, a dataset's row), as it is:
+    {"prompt": record[prompt_field] (a string), "answer": record[answer_field], "fields": every
+    other field}. A bad record raises ValueError starting with `where`."""
+    if not isinstance(record.get(prompt_field), str):
+        got = (
+            "missing"
+            if prompt_field not in record
+            else f"a {type(record[prompt_field]).__name__}, not a string"
+        )
+        raise ValueError(
+            f"{where}: the prompt field {prompt_field!r} is {got} (fields: {', '.join(record)})"
+        )
+    if answer_field not in record:
+        raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(record)})")
+    others = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
+    reserved = sorted(set(others) & {"prompts", "completion_lengths"})
+    if reserved:
+        raise ValueError(
+            f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
+            "from train.py; rename the field"
+        )
+    return {"prompt": record[prompt_field], "answer": record[answer_field], "fields": others}
 
 
 def read_jsonl(path):
@@ -269,21 +281,22 @@ def addition_task():
 
 
 def task_from_flags(args):
-    """The task that --data describes, with its default rewards (rewards.from_flags applies --reward-fn etc.):
-    GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or, with --prompt-field or
-    --answer-field, any JSONL (rows as they are, no system prompt unless --system-prompt). Held-out rows come from
-    --eval-data; for GSM8K without it, test.jsonl beside --data (or the official test split). --task addition:
-    its generated rows (addition_task)."""
+    """The task that --data describes, with its default rewards (rewards.from_flags applies
+    --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
+    with --prompt-field or --answer-field, your own rows (as they are, no system prompt unless
+    --system-prompt). --data is a JSONL file or a Hugging Face dataset (parse_source). Held-out
+    rows come from --eval-data; for GSM8K without it, from gsm8k_held_out, else the official test
+    split. --task addition: its generated rows (addition_task)."""
     if args.task == "addition":
         return addition_task()
     custom = args.prompt_field is not None or args.answer_field is not None
     need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
-    eval_path = args.eval_data
+    eval_path, eval_flag = args.eval_data, "--eval-data"
     if custom:
         if args.data is None and need_train:
             raise UserError(
-                "--prompt-field/--answer-field describe the rows of your own JSONL file: pass it with "
-                "--data PATH."
+                "--prompt-field/--answer-field describe the rows of your own data: pass it with "
+                "--data PATH (a JSONL file or a dataset)."
             )
         if eval_path is None and need_eval:
             if args.eval_only:
@@ -291,29 +304,24 @@ def task_from_flags(args):
                     "--eval-only on your own task needs its held-out rows: --eval-data PATH."
                 )
             print(
-                "no --eval-data: this task is not GSM8K, so there is no evaluation. To measure on held-out rows, "
-                "pass a JSONL file of them in the same format with --eval-data.",
+                "no --eval-data: this task is not GSM8K, so there is no evaluation. To measure on "
+                "held-out rows, pass them in the same format with --eval-data (a JSONL file, or a "
+                "dataset's split: ID@test).",
                 flush=True,
             )
-        read = functools.partial(
-            load_jsonl,
-            prompt_field=args.prompt_field or "prompt",
-            answer_field=args.answer_field or "answer",
-        )
+        fields = (args.prompt_field or "prompt", args.answer_field or "answer")
         prompt = functools.partial(chat_prompt, system_prompt=args.system_prompt or "")
     else:
-        # --data .../train.jsonl: use the test.jsonl beside it
         if eval_path is None and args.data is not None:
-            beside = os.path.join(os.path.dirname(os.path.abspath(args.data)), "test.jsonl")
-            eval_path = (
-                beside if os.path.isfile(beside) and os.path.abspath(args.data) != beside else None
-            )
-        read = None
+            eval_path = gsm8k_held_out(args.data)
+            # the test split of --data itself: its messages name --data
+            eval_flag = "--data" if isinstance(eval_path, Source) else "--eval-data"
+        fields = None
         system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         prompt = functools.partial(build_prompt, system_prompt=system)
     return Task(
-        train=load_rows("train", args.data, "--data", read) if need_train else [],
-        eval=load_rows("test", eval_path, "--eval-data", read)
+        train=load_rows("train", args.data, "--data", fields) if need_train else [],
+        eval=load_rows("test", eval_path, eval_flag, fields)
         if need_eval and (eval_path or not custom)
         else [],
         template=prompt,
@@ -322,19 +330,50 @@ def task_from_flags(args):
     )
 
 
-def load_rows(split, path, flag, read=None):
-    """The rows of `path` through `read` (your own task's reader), or GSM8K's `split`: any problem is a UserError
-    naming the flag, and for a bad row its file:line."""
-    what = "your task's" if read is not None else "the GSM8K"
-    form = (
-        'a JSON object with a "question" string and an "answer" string ending in "#### <number>"'
-        if read is None
-        else "a JSON object with the --prompt-field (a string) and the --answer-field"
-    )
+def gsm8k_held_out(data):
+    """GSM8K's held-out rows when --eval-data is not given: the test split of a --data that has
+    splits (a Hub id, a saved DatasetDict, a folder of data files), else `test` beside --data in
+    its form (test.jsonl beside a JSONL file, test.parquet beside a Parquet file, test/ beside a
+    saved Dataset); None when there is none."""
+    source = parse_source(data, "--data")
+    if source is not None and source.has_splits:
+        return dataclasses.replace(source, split=None)  # no split named: held-out rows read test
+    path = os.path.abspath(data if source is None else source.location)
+    if source is None:  # a JSONL file, as before
+        beside, there = "test.jsonl", os.path.isfile
+    elif source.kind == "saved":  # a directory
+        beside, there = "test", os.path.isdir
+    else:
+        beside, there = "test" + os.path.splitext(path)[1], os.path.isfile
+    beside = os.path.join(os.path.dirname(path), beside)
+    return beside if there(beside) and beside != path else None
+
+
+def row_form(fields):
+    """What each row must hold, for messages: GSM8K's (fields None) or your own task's."""
+    if fields is None:
+        return 'a "question" string and an "answer" string ending in "#### <number>"'
+    return "the --prompt-field (a string) and the --answer-field"
+
+
+def load_rows(split, path, flag, fields=None):
+    """The rows of `path` (a --data/--eval-data value, or a Source) read as GSM8K (its official
+    `split` when path is None) or, with `fields` (prompt field, answer field), as your own task's.
+    A JSONL file is read by read_jsonl, a Hugging Face dataset by dataset_rows. Any problem is a
+    UserError naming the flag, and for a bad row its file:line (a dataset's: its split and row)."""
+    source = path if isinstance(path, Source) or path is None else parse_source(path, flag)
+    if source is not None:
+        return dataset_rows(source, split, flag, fields)
+    what = "your task's" if fields is not None else "the GSM8K"
+    form = "a JSON object with " + row_form(fields)
     if path is not None and not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file. Pass a JSONL file with one {form} per line.")
+        raise UserError(
+            f"{flag} {path}: no such file or directory. Pass a JSONL file (each line {form}) or "
+            "a Hugging Face dataset (a save_to_disk directory, a Parquet, CSV or JSON file, or a "
+            "Hub id OWNER/NAME[:CONFIG][@SPLIT]; docs/your-task.md)."
+        )
     try:
-        return read(path) if read is not None else load_gsm8k(split, path=path)
+        return load_jsonl(path, *fields) if fields is not None else load_gsm8k(split, path=path)
     except ValueError as e:  # "path:12: malformed JSON (...)"
         raise UserError(
             f"could not load {what} {split} data: {e}. Each line of {flag} must be {form}."
@@ -344,6 +383,245 @@ def load_rows(split, path, flag, read=None):
         raise UserError(
             f"could not load {what} {split} data: {e} Pass a local file with {flag} PATH{hint}."
         ) from None
+
+
+# --- Hugging Face datasets: what --data and --eval-data take besides JSONL ----------------------
+#
+# SOURCE[:CONFIG][@SPLIT]: a Hub id OWNER/NAME (openai/gsm8k:main@train), a directory written by
+# save_to_disk (gsm8k@test), a folder of data files laid out as a Hub repository, or one Parquet,
+# CSV or JSON-array file. Read by the `datasets` library (an optional extra, imported only here),
+# then record by record as JSONL lines are (gsm8k_row, own_row). Without @SPLIT, --data reads the
+# train split and held-out rows the test split.
+
+# The files that datasets reads, by suffix; JSON Lines, whatever the file's name, stays ours.
+DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
+SOURCE_SYNTAX = re.compile(r"(?P<base>[^:@]+)(?::(?P<config>[\w.-]+))?(?:@(?P<split>[\w.-]+))?")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A --data/--eval-data value that names a Hugging Face dataset (see parse_source)."""
+
+    text: str  # as given, for messages
+    # "file": Parquet, CSV or a JSON array; "saved": a saved Dataset, "saved-splits": a saved
+    # DatasetDict; "folder": a directory of data files; "hub": a Hub id
+    kind: str
+    location: str  # the path, or the Hub id
+    config: str | None = None
+    split: str | None = None  # None: the split of the rows' role (train, or test when held out)
+
+    @property
+    def has_splits(self):
+        return self.kind in ("saved-splits", "folder", "hub")
+
+    @property
+    def takes_config(self):
+        return self.kind in ("folder", "hub")
+
+    def name(self, split=None):
+        """How messages name it, or one of its splits: location[:config][@split]."""
+        config = f":{self.config}" if self.config else ""
+        return self.location + config + (f"@{split}" if split else "")
+
+
+def parse_source(text, flag):
+    """The Source that a --data/--eval-data value names; None for a JSONL file, or for a missing
+    path that is no Hub id (load_rows reads or refuses those as it always has). A value naming an
+    existing path is that path, whole; otherwise SOURCE_SYNTAX takes a config and a split off its
+    end. A config or a split that the source cannot have is a UserError."""
+    match = SOURCE_SYNTAX.fullmatch(text)
+    if os.path.exists(text) or match is None:
+        base, config, split = text, None, None
+    else:
+        base, config, split = match.group("base", "config", "split")
+    if os.path.isfile(base):
+        kind = dataset_file_kind(base)
+    elif os.path.isdir(base):
+        kind = (
+            "saved-splits"
+            if os.path.isfile(os.path.join(base, "dataset_dict.json"))
+            else "saved"
+            if os.path.isfile(os.path.join(base, "state.json"))
+            else "folder"
+        )
+    elif HUB_ID.fullmatch(base) and not base.lower().endswith((*DATASET_FILES, ".jsonl")):
+        kind = "hub"
+    else:
+        return None
+    source = Source(text, kind, base, config, split)
+    if (config and not source.takes_config) or (split and not source.has_splits):
+        what = {
+            "jsonl": "a JSONL file",
+            "file": "one file",
+            "saved": "one saved Dataset",
+            "saved-splits": "a saved DatasetDict",
+        }[kind]
+        has = "splits but no configs" if source.has_splits else "no configs or splits"
+        keep = f"@{split}" if split and source.has_splits else ""
+        raise UserError(f"{flag} {text}: {base} is {what}, with {has}: pass {flag} {base}{keep}.")
+    return None if kind == "jsonl" else source
+
+
+def dataset_file_kind(path):
+    """Which reader a file gets: "file" (datasets) for Parquet, CSV and a .json file holding one
+    JSON array; "jsonl" (read_jsonl: each value as it is, a bad line named) for any other."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix != ".json":
+        return "file" if suffix in DATASET_FILES else "jsonl"
+    try:
+        with open(path, "rb") as f:
+            return "file" if f.read(4096).lstrip().startswith(b"[") else "jsonl"
+    except OSError:  # read_jsonl says what is wrong
+        return "jsonl"
+
+
+def dataset_rows(source, split, flag, fields):
+    """The rows of a Hugging Face dataset: the split that source names, else the one of the rows'
+    role (`split`), checked column by column, then built record by record as JSONL rows are."""
+    dataset, name = pick_split(open_dataset(source, flag), source, split, flag)
+    check_columns(dataset, name, flag, fields)
+    if len(dataset) == 0:
+        raise UserError(f"{flag} {name}: no rows (an empty dataset).")
+    if fields is None:  # GSM8K reads two columns: convert no others
+        dataset = dataset.select_columns(["question", "answer"])
+        build = gsm8k_row
+    else:
+        build = functools.partial(own_row, prompt_field=fields[0], answer_field=fields[1])
+    try:
+        return [build(f"{name}, row {i}", record) for i, record in enumerate(dataset.to_list())]
+    except ValueError as e:  # "gsm8k@train, row 12: answer has no '####' final-answer marker"
+        what = "your task's" if fields is not None else "the GSM8K"
+        raise UserError(
+            f"could not load {what} {split} data: {e}. Each row of {flag} must have "
+            f"{row_form(fields)}."
+        ) from None
+
+
+def open_dataset(source, flag):
+    """The Dataset or DatasetDict that `source` names, loaded by the `datasets` library: a file by
+    its reader, a saved directory by load_from_disk, a folder or a Hub id by load_dataset (which
+    reuses its cache offline)."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"{flag} {source.text} is read by the `datasets` library: pip install datasets"
+        ) from None
+    try:
+        # a local read takes a second: no progress bars; a Hub download keeps them, and its warnings
+        with quiet(datasets) if source.kind != "hub" else contextlib.nullcontext():
+            if source.kind == "file":
+                reader = DATASET_FILES[os.path.splitext(source.location)[1].lower()]
+                return getattr(datasets.Dataset, f"from_{reader}")(source.location)
+            if source.kind in ("saved", "saved-splits"):
+                return datasets.load_from_disk(source.location)
+            return datasets.load_dataset(source.location, source.config)
+    except ConnectionError as e:  # HF_HUB_OFFLINE=1, or no network, and not in the cache
+        raise UserError(offline_message(source, flag, e)) from None
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        why = reason(e)
+        why += "" if why.endswith(("!", "?")) else "."
+        # a missing or unknown config: say where it goes
+        form = f" The form: {flag} {source.location}:CONFIG@SPLIT." if source.takes_config else ""
+        raise UserError(
+            f"{flag} {source.text}: could not load it as a dataset{looked_up(source)}: {why}{form}"
+        ) from None
+
+
+def pick_split(loaded, source, split, flag):
+    """(the Dataset to read, its name for messages): of a DatasetDict, the split that source names,
+    else the one named `split` (the rows' role); a single Dataset as it is."""
+    if not isinstance(loaded, dict):  # a DatasetDict is a dict of splits
+        return loaded, source.name()
+    chosen = source.split or split
+    if chosen in loaded:
+        return loaded[chosen], source.name(chosen)
+    base = source.name()
+    if source.split is not None:
+        hint = f"Name one of them: {flag} {base}@SPLIT."
+    elif flag == "--data" and split == "test":
+        hint = (
+            "Without --eval-data, GSM8K is evaluated on the 'test' split of --data: pass "
+            f"--eval-data {base}@SPLIT, or --eval-every -1 to skip evaluation."
+        )
+    else:
+        hint = f"{flag} reads its {chosen!r} split unless one is named: {flag} {base}@SPLIT."
+    splits = ", ".join(loaded)
+    raise UserError(f"{flag} {base}: no split {chosen!r} (its splits: {splits}). {hint}")
+
+
+def check_columns(dataset, name, flag, fields):
+    """A UserError naming the columns that exist, for a missing prompt or answer column, or one that
+    holds no strings where strings are needed (the prompt; GSM8K's answer too)."""
+    prompt, answer = fields or ("question", "answer")
+    if fields is None:
+        how = (
+            "Without --prompt-field/--answer-field, rows are read as GSM8K: "
+            f"{row_form(None)}; name your own columns with --prompt-field and --answer-field."
+        )
+    else:
+        how = "Name the columns with --prompt-field (one of strings) and --answer-field."
+    columns = dataset.column_names
+    for role, column in (("prompt", prompt), ("answer", answer)):
+        if column not in columns:
+            raise UserError(
+                f"{flag} {name}: no {role} column {column!r} (columns: {', '.join(columns)}). {how}"
+            )
+    for role, column in (("prompt", prompt), ("answer", answer))[: 1 if fields else 2]:
+        feature = dataset.features[column]
+        # a Value's dtype ("string", "int64"); a List's or a dict's form
+        stored = getattr(feature, "dtype", None) or repr(feature)
+        if stored not in ("string", "large_string"):
+            raise UserError(
+                f"{flag} {name}: the {role} column {column!r} holds {stored}, not strings. {how}"
+            )
+
+
+@contextlib.contextmanager
+def quiet(datasets):
+    """No progress bars, and no log lines: datasets logs a failure to read a file before raising
+    it, which the UserError then says once."""
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def reason(error):
+    """An exception and its causes on one line: datasets wraps a parser's error in its own."""
+    parts = []
+    while error is not None:
+        parts.append(" ".join(str(error).split()).rstrip(".") or type(error).__name__)
+        error = error.__cause__
+    return ": ".join(parts)
+
+
+def looked_up(source):
+    """For a Hub id, which may be a mistyped local path: it is not here, so the Hub was asked."""
+    if source.kind != "hub":
+        return ""
+    return f" ({source.location} is no file or directory here, so it was looked up on the Hub)"
+
+
+def offline_message(source, flag, error):
+    """What to pass instead of a Hub id when the Hub cannot be reached, and how to make it."""
+    local = source.location.rsplit("/", 1)[-1]
+    config = f", {source.config!r}" if source.config else ""
+    split = f"@{source.split}" if source.split else ""
+    return (
+        f"{flag} {source.text}{looked_up(source)}: could not reach the Hugging Face Hub "
+        f"({reason(error)}), and the dataset is not in the local cache. Pass a local copy "
+        "instead: a directory written by save_to_disk, or Parquet/CSV/JSONL files. To make one "
+        'on a machine with network: python -c "import datasets; datasets.load_dataset('
+        f'{source.location!r}{config}).save_to_disk({local!r})", then copy the directory '
+        f"{local} here and pass {flag} {local}{split}."
+    )
 
 
 def batch_at(rows: list, batch_size: int, seed: int, step: int, stream: int = 0) -> list:
