@@ -140,6 +140,7 @@ MAY_CHANGE_ON_RESUME = {
     "resume",
     "overwrite",
     "reward_timeout",
+    "report_to",
     "steps",
     "eval_every",
     "save_every",

@@ -12,6 +12,7 @@ import re
 
 import torch
 
+import trackers
 from errors import UserError
 
 
@@ -46,15 +47,19 @@ def add_model_and_grpo_flags(p):
     g.add_argument(
         "--data",
         default=None,
-        help="train JSONL: GSM8K's format, or any rows with --prompt-field/--answer-field; if not given, "
-        "GSM8K's official train split is downloaded once (into ~/.cache/grpo)",
+        help="train rows: a JSONL file, or a Hugging Face dataset as SOURCE[:CONFIG][@SPLIT] (a Hub "
+        "id, a save_to_disk directory, a folder of data files, a Parquet, CSV or JSON-array file; "
+        "e.g. openai/gsm8k:main@train; no @SPLIT: train; needs pip install datasets), read as GSM8K "
+        "or, with --prompt-field/--answer-field, as they are; if not given, GSM8K's official train "
+        "split is downloaded once (into ~/.cache/grpo)",
     )
     g.add_argument(
         "--eval-data",
         default=None,
-        help="held-out JSONL in the same format as --data; if not given, for GSM8K: test.jsonl beside "
-        "--data if there is one, else the official test split (downloaded once); for your own task: no "
-        "evaluation",
+        help="held-out rows in the same format as --data, a JSONL file or a dataset (no @SPLIT: "
+        "test); if not given, for GSM8K: the test split of --data, or test.jsonl (test.parquet, "
+        "test/) beside it if there is one, else the official test split (downloaded once); for "
+        "your own task: no evaluation",
     )
     g.add_argument(
         "--prompt-field",
@@ -401,7 +406,16 @@ def add_run_flags(p):
         "--sample-every",
         type=int,
         default=10,
-        help="print one sampled completion every N steps; 0: never",
+        help="print one sampled completion every N steps (with --report-to, its group of G to the "
+        "trackers); 0: never",
+    )
+    g.add_argument(
+        "--report-to",
+        default="none",
+        metavar="TRACKERS",
+        help="also log to tensorboard (OUTPUT_DIR/tensorboard) and/or wandb (W&B; its WANDB_* environment "
+        "applies, e.g. WANDB_MODE=offline), comma-separated: every metrics.jsonl field, the flags and the "
+        "sampled completions (optional packages: pip install tensorboard / wandb; docs/logging.md)",
     )
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     g.add_argument(
@@ -631,6 +645,8 @@ def check(args):
             f"--beta must be >= 0 and --epsilon > 0, got beta={args.beta}, epsilon={args.epsilon}."
         )
     check_option_flags(args)
+    # the trackers' names, each one's package imported now: a missing one is said before any model loads
+    args.report_to = trackers.parse(args.report_to)
     args.response_prefix = decode_escapes(args.response_prefix)
     check_task_flags(args)
     local = os.path.abspath(os.path.expanduser(args.model))
