@@ -519,8 +519,9 @@ def open_dataset(source, flag):
             return datasets.load_dataset(source.location, source.config)
     except ConnectionError as e:  # HF_HUB_OFFLINE=1, or no network, and not in the cache
         raise UserError(offline_message(source, flag, e)) from None
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        why = reason(e)
+    # IndexError: datasets' own, loading a split saved with no rows
+    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:
+        why = reason(e) + (" (a split with no rows?)" if isinstance(e, IndexError) else "")
         why += "" if why.endswith(("!", "?")) else "."
         # a missing or unknown config: say where it goes
         form = f" The form: {flag} {source.location}:CONFIG@SPLIT." if source.takes_config else ""

@@ -308,6 +308,15 @@ def test_missing_unreadable_and_misnamed_sources(hf, tmp_path):
     )
 
 
+def test_a_split_saved_with_no_rows_is_one_paragraph(hf, tmp_path):
+    # datasets itself raises an IndexError loading a split saved after .select([]): a traceback before
+    empty = hf.Dataset.from_dict(OWN).select([])
+    hf.DatasetDict(train=empty).save_to_disk(tmp_path / "empty")
+    message = refused("--data", str(tmp_path / "empty"), *MAPPING)
+    assert message.startswith(f"--data {tmp_path / 'empty'}: could not load it as a dataset")
+    assert message.endswith("(a split with no rows?).")
+
+
 def test_bad_input_through_train_main_is_one_paragraph_and_exit_code_2(hf, tmp_path, capsys):
     both = save_splits(hf, tmp_path / "both", train=OWN)
     with pytest.raises(SystemExit) as stop:
