@@ -37,6 +37,7 @@ import grpo
 import models
 import report
 import rewards
+import rundir
 import sampling
 from errors import UserError
 
@@ -898,7 +899,7 @@ def setup(args, resume_dir=None):
 
 def main(argv=None):
     """The command line: flags, then the task and model, then train() (or one evaluation with --eval-only). Bad input
-    and CUDA running out of memory end with one paragraph on stderr and exit code 2, not a traceback."""
+    and running out of memory (CUDA or the CPU's) end with one paragraph on stderr and exit code 2, not a traceback."""
     try:
         args = config.parse_args(argv)
         distributed.init(args.device)  # under torchrun: join the process group; alone, nothing
@@ -932,7 +933,7 @@ def main(argv=None):
                 "with training_state.pt). Pass the --output-dir of the run to continue, or drop --resume."
             )
         # Before the model loads: one run per output directory, locked while it is live (--eval-only: no claim).
-        with checkpoint.claim_output_dir(args):
+        with rundir.claim_output_dir(args):
             task, model, tokenizer = setup(args, resume_dir)
             if not args.eval_only:
                 with STOPS:  # Ctrl-C, SIGTERM, SIGHUP: a step finishes and is saved first

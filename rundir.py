@@ -1,0 +1,202 @@
+"""The output directory of a run: one run in it, and one process at a time (train.main claims it before the model
+loads).
+
+A fresh run into a directory that holds a run is refused (or, with --overwrite, the earlier run's files are removed
+first); a live run holds OUTPUT_DIR/.lock, so a second process is refused while it runs, and a directory that cannot
+be written is refused before anything is loaded. The files themselves are checkpoint.py's and report.py's.
+"""
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+import distributed
+import report
+from checkpoint import checkpoint_step
+from errors import UserError
+
+LOCK = ".lock"
+# What a run writes into its output directory (removed by --overwrite, the last one last: a removal cut short still
+# leaves a directory that holds a run, refused without --overwrite, never a mix of two runs).
+RUN_FILES = (
+    "checkpoint.tmp",
+    "checkpoint.old",
+    "checkpoint",
+    "curves.png",
+    "metrics.jsonl.tmp",
+    "metrics.jsonl",
+)
+
+
+@contextlib.contextmanager
+def claim_output_dir(args):
+    """The output directory for this run, held until the block ends; entered before the model loads (train.main).
+
+    - A directory that cannot be created or written to (read-only, a file in the way, a full disk) is refused.
+    - A live run holds OUTPUT_DIR/.lock (flock: the kernel drops it when its process ends, however it ends, so a lock
+      left by a killed run blocks nothing); a second process is refused, naming the holder's pid and host.
+    - A fresh run (no --resume) into a directory that holds a run (metrics.jsonl with rows, checkpoint/ or
+      checkpoint.old/) is refused, naming what it holds and the ways on; with --overwrite that run's files are removed
+      first. --overwrite has no effect with --resume.
+
+    Under torchrun rank 0 alone does this (the others write nothing), and every rank raises its refusal. --eval-only
+    writes no run: nothing is claimed."""
+    if args.eval_only:
+        yield None
+        return
+    lock, refusal = None, None
+    if distributed.is_main():
+        try:
+            lock = OutputDirLock(args.output_dir)
+            prepare_output_dir(args)
+        except UserError as e:
+            refusal = e
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+    if distributed.world() > 1:
+        message = distributed.gather_objects(None if refusal is None else str(refusal))[0]
+        refusal = refusal or (UserError(message) if message is not None else None)
+    try:
+        if refusal is not None:
+            raise refusal
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class OutputDirLock:
+    """OUTPUT_DIR/.lock held with flock(LOCK_EX | LOCK_NB) while the run is live, with the holder's pid and host in it
+    (for the message a second process gets). Released (and the file removed) when the run ends; a killed run's file
+    stays behind and blocks nothing. Also the probe for a directory this process cannot write to."""
+
+    def __init__(self, output_dir):
+        self.path = os.path.join(output_dir, LOCK)
+        self.fd = None
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            probe_writable(output_dir)
+            self.fd = self.acquire()
+            os.ftruncate(self.fd, 0)
+            holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            os.pwrite(self.fd, holder.encode(), 0)
+        except OSError as e:
+            self.release()
+            raise UserError(
+                f"--output-dir {output_dir} cannot be written to ({report.failure(e)}"
+                + (f": {e.filename}" if getattr(e, "filename", None) else "")
+                + "). Pass a directory you can write to (it is created if missing), with room for the checkpoints."
+            ) from None
+
+    def acquire(self):
+        """The lock file's descriptor, locked. A run that ends removes the file while it holds the lock; a process
+        that opened it just before then locks a removed file, so it checks that the path still names what it locked,
+        and otherwise tries again."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise UserError(
+                    f"--output-dir {os.path.dirname(self.path)} is in use: a run is live there ({holder} holds "
+                    f"{self.path}). Wait for it to end (or stop it: a stopped run can be continued with --resume), "
+                    "or pass another --output-dir."
+                ) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                print(
+                    f"note: {self.path} cannot be locked on this filesystem ({e.strerror}): nothing keeps a second "
+                    "run out of this directory",
+                    file=sys.stderr,
+                )
+                return fd
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
+    def release(self):
+        """Remove the lock file, then let go of the lock (in that order: see acquire)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def probe_writable(directory):
+    """OSError when no file can be created in `directory` (read-only, no permission, a read-only filesystem)."""
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.remove(probe)
+
+
+def prepare_output_dir(args):
+    """A fresh run's directory must hold no run: UserError naming what it holds and the ways on, or, with --overwrite,
+    that run's files removed (said in one line)."""
+    held = run_in(args.output_dir)
+    if args.resume:
+        if args.overwrite:
+            print("--overwrite has no effect with --resume: the run continues", file=sys.stderr)
+        return
+    if not held:
+        return
+    if not args.overwrite:
+        raise UserError(
+            f"--output-dir {args.output_dir} already holds a run ({'; '.join(held)}), and a fresh run would replace "
+            "it. Pass --resume to continue that run, another --output-dir to start a new one beside it, or "
+            "--overwrite to delete it and start over."
+        )
+    for name in RUN_FILES:
+        path = os.path.join(args.output_dir, name)
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as e:
+            raise UserError(
+                f"--overwrite: could not remove {path} ({report.failure(e)}). Remove the earlier run's files "
+                "yourself, or pass another --output-dir."
+            ) from None
+    print(
+        f"--overwrite: removed the earlier run in {args.output_dir} ({'; '.join(held)})", flush=True
+    )
+
+
+def run_in(output_dir):
+    """What of a run `output_dir` holds, in words: metrics.jsonl with rows, checkpoint/, checkpoint.old/ (empty: none).
+    Cheap: the rows are counted, not parsed, and a checkpoint's step is read memory-mapped."""
+    held = []
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics, "rb") as f:
+            lines = [line for line in f if line.strip()]
+        if lines:
+            try:
+                last = f", the last at step {json.loads(lines[-1])['step']}"
+            except (ValueError, KeyError, TypeError):
+                last = ""
+            held.append(f"metrics.jsonl with {len(lines)} row{'s' if len(lines) > 1 else ''}{last}")
+    for name in ("checkpoint", "checkpoint.old"):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            step = checkpoint_step(path)
+            held.append(f"{name}/" + (f" at step {step}" if step is not None else ""))
+    return held
