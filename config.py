@@ -565,7 +565,7 @@ NUMBER_RANGES = [
     ("delta", lambda v: v > 1, "> 1"),
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("reward_timeout", lambda v: v >= 0, ">= 0 (0: no limit)"),
+    ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 SEED_LIMIT = 2**32  # numpy's seeds (transformers.set_seed seeds numpy too)

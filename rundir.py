@@ -29,6 +29,8 @@ RUN_FILES = (
     "checkpoint.old",
     "checkpoint",
     "curves.png",
+    "tensorboard",
+    "wandb_run_id",
     "metrics.jsonl.tmp",
     "metrics.jsonl",
 )
@@ -158,10 +160,14 @@ def prepare_output_dir(args):
     if not held:
         return
     if not args.overwrite:
+        resumable = any(entry.startswith("checkpoint") for entry in held)
         raise UserError(
             f"--output-dir {args.output_dir} already holds a run ({'; '.join(held)}), and a fresh run would replace "
-            "it. Pass --resume to continue that run, another --output-dir to start a new one beside it, or "
-            "--overwrite to delete it and start over."
+            "it. Pass "
+            + ("--resume to continue that run, " if resumable else "")
+            + "another --output-dir to start a new one beside it, or --overwrite to delete it and start over"
+            + ("" if resumable else " (it has no checkpoint to --resume from)")
+            + "."
         )
     for name in RUN_FILES:
         path = os.path.join(args.output_dir, name)

@@ -94,6 +94,9 @@ def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_le
     shutil.copytree(run / "checkpoint", run / "checkpoint.old")
     (run / "checkpoint.tmp").mkdir()
     assert (run / "curves.png").exists()
+    # the trackers' state too: a later --resume --report-to would otherwise continue the overwritten run's
+    (run / "tensorboard").mkdir()
+    (run / "wandb_run_id").write_text("old-run\n")
 
     def ctrl_c_while_the_model_loads(*a):
         raise KeyboardInterrupt

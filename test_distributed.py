@@ -200,8 +200,8 @@ def torchrun_stopped(out_dir, argv, send):
 def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_step_and_resume_exactly(
     tmp_path,
 ):
-    """Ctrl-C in a terminal reaches every process of torchrun's group (SIGINT), and torchrun forwards a SIGTERM to
-    each worker right after: one request, not the "second signal" that stops at once without saving. A scheduler's
+    """Ctrl-C in a terminal reaches every process of torchrun's group (SIGINT), and torchrun forwards it to each
+    worker right after: one request, not the "second signal" that stops at once without saving. A scheduler's
     SIGTERM to torchrun alone is forwarded the same way. Either way every rank finishes the same step, they save it
     together, and --resume continues to the weights and metrics of a run never stopped."""
     argv = ["--steps", "8", "--eval-every", "-1", "--save-every", "0", "--lr-scheduler", "constant"]

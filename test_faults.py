@@ -677,6 +677,11 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
         ("--delta", "inf", "--delta must be a finite number > 1"),
         ("--warmup-steps", "-1", "--warmup-steps must be at least 0, got -1"),
         ("--top-k", "-5", "--top-k must be at least 0, got -5"),
+        (
+            "--reward-timeout",
+            "1e12",
+            "--reward-timeout must be a finite number in [0, 1e6] seconds",
+        ),
         ("--seed", "4294967296", "--seed must be below 2**32"),
         ("--reward-weights", "1,nan", "--reward-weights must be finite numbers"),
         ("--compile", "bogus", "--compile 'bogus' is not a torch.compile backend"),

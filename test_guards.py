@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -142,12 +143,15 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
         assert exit_info.value.code == 2 and "512 tokens" in err and expected in err
 
 
-def test_the_demo_checks_its_own_context(tmp_path):
+def test_the_demo_checks_its_own_context(tmp_path, capsys):
+    # the demo's model: 512 positions
     with pytest.raises(SystemExit) as exit_info:
-        train.main(
-            tiny_argv(tmp_path, "--max-new-tokens", "600")
-        )  # the demo's model: 512 positions
+        train.main(tiny_argv(tmp_path, "--max-new-tokens", "600"))
+    err = capsys.readouterr().err
     assert exit_info.value.code == 2
+    assert (
+        "--max-new-tokens 600 + a prompt do not fit the demo's model's context of 512 tokens" in err
+    )
 
 
 def test_check_context_accepts_the_largest_budget_that_fits():
@@ -210,7 +214,7 @@ def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_o
     tmp_path, gap, code, saved_at
 ):
     # Inside step 2's reward: SIGTERM, then SIGINT `gap` seconds later. 0.1 s: one request delivered twice (as Ctrl-C
-    # under torchrun is: the terminal's SIGINT, torchrun's SIGTERM), so step 2 finishes and is saved (143: the first
+    # under torchrun is: the terminal's, then torchrun's forwarded copy), so step 2 finishes and is saved (143: the first
     # signal's code). 1.3 s (beyond SAME_REQUEST_S = 1): a second request, the run stops at once, inside the reward,
     # before step 2's update: the checkpoint holds step 1 and --resume redoes step 2.
     calls = []
@@ -232,3 +236,110 @@ def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_o
         torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)["step"]
         == saved_at
     )
+
+
+def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_counts_as_done(
+    tmp_path, monkeypatch
+):
+    # The second signal lands right after AdamW's step, before the schedule's: before, Stopped left the update
+    # applied but the step saved as not done (step 1, step-start RNG), so --resume applied it twice. Now the update
+    # (weights, AdamW, schedule) completes first, and the step is saved as done.
+    monkeypatch.setattr(train.StopRequests, "SAME_REQUEST_S", 0.0)  # a second signal, however soon
+    real_build, steps = train.build_optimizer, []
+
+    def build(*a):
+        optimizer = real_build(*a)
+        real_step = optimizer.step
+
+        def step(self, *args, **kwargs):
+            out = real_step(*args, **kwargs)
+            steps.append(1)
+            if len(steps) == 2:  # step 2's update: the request came in its reward
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+
+        optimizer.step = types.MethodType(step, optimizer)  # a method: the LR scheduler wraps it
+        return optimizer
+
+    def reward(completions, answers):
+        if len(steps) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return varied_reward(completions, answers)
+
+    monkeypatch.setattr(train, "build_optimizer", build)
+    with pytest.raises(train.Stopped) as info:
+        with train.STOPS:
+            run_tiny(tmp_path, "--steps", "4", "--save-every", "0", reward=reward)
+    assert info.value.exit_code == 130
+    state = torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
+
+
+def test_a_signal_just_after_the_end_of_step_check_is_handled_at_the_next_step_end(
+    tmp_path, monkeypatch
+):
+    # The SIGTERM arrives after step 2's check, with no evaluation due: before, the check before the (skipped)
+    # evaluation raised it outside the step, and steps 1-2 were lost unsaved. Now step 3 finishes and is saved.
+    real_check, ends = train.STOPS.raise_if_requested, []
+
+    def check(saved):
+        real_check(saved)
+        ends.append(1)
+        if len(ends) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train.STOPS, "raise_if_requested", check)
+    with pytest.raises(train.Stopped) as info:
+        with train.STOPS:
+            run_tiny(tmp_path, "--steps", "5", "--save-every", "0")
+    assert info.value.exit_code == 143
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    state = torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)
+    assert state["step"] == 3
+
+
+def test_a_lora_run_stopped_on_a_step_it_saves_anyway_leaves_the_merged_model(tmp_path):
+    # --save-every 1: step 2 is saved by the periodic save, which was not the run's last (adapter only) before.
+    pytest.importorskip("peft")
+    calls = []
+
+    def reward(completions, answers):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return varied_reward(completions, answers)
+
+    with pytest.raises(train.Stopped):
+        with train.STOPS:
+            run_tiny(
+                tmp_path, "--steps", "4", "--save-every", "1", "--lora-rank", "4", reward=reward
+            )
+    assert (tmp_path / "checkpoint" / "adapter").is_dir()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")  # without peft
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_a_directory_without_a_checkpoint_is_not_offered_resume(tmp_path, capsys):
+    # A run that crashed before its first save (out of memory in step 1) leaves metrics.jsonl alone: --resume, which
+    # the refusal used to offer, would fail with "no checkpoint".
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/correctness": 0.1}\n')
+    with pytest.raises(SystemExit):
+        train.main(tiny_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert "already holds a run (metrics.jsonl with 1 row, the last at step 0)" in err
+    assert "--resume to continue" not in err and "(it has no checkpoint to --resume from)" in err
+
+
+def test_eval_only_resume_of_an_adapter_only_checkpoint_asks_for_the_lora_flags(tmp_path, capsys):
+    pytest.importorskip("peft")
+    run_tiny(tmp_path, "--steps", "1", "--lora-rank", "4")
+    for name in (
+        "config.json",
+        "model.safetensors",
+    ):  # as a periodic save leaves it: the adapter alone
+        os.remove(tmp_path / "checkpoint" / name)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_argv(tmp_path, "--eval-only", "--resume"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "holds a LoRA adapter, not a whole model" in err and "--lora-rank" in err

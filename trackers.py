@@ -1,7 +1,9 @@
 """Trackers: a run's metrics.jsonl, also in TensorBoard and/or Weights & Biases (--report-to tensorboard,wandb).
 
-    python train.py --demo --report-to tensorboard    # then: tensorboard --logdir runs/demo-seed42/tensorboard
-    WANDB_MODE=offline python train.py --demo --report-to wandb  # then: wandb sync runs/demo-seed42/wandb/offline-*
+    python train.py --demo --report-to tensorboard --output-dir runs/demo-tb
+    tensorboard --logdir runs/demo-tb/tensorboard
+    WANDB_MODE=offline python train.py --demo --report-to wandb --output-dir runs/demo-wandb
+    wandb sync runs/demo-wandb/wandb/offline-*
 
 Every row of metrics.jsonl (a training step's, an evaluation's) goes to each tracker under the same names, at its step:
 the training step is the step axis. So do the run's flags (W&B: the run's config; TensorBoard: a text "flags") and,

@@ -65,6 +65,8 @@ def train(args, task, model, tokenizer, resume_dir=None):
     # 4: for step = 1, ..., M
     for step in range(run.start_step, args.steps):
         t0, rng_at_start, updates = time.time(), checkpoint.rng_state(), []
+        # the LR schedule steps with every applied update: whether this step changed the weights
+        updates_at_start = run.scheduler.last_epoch
         try:
             # 5: sample a batch D_b from D (under torchrun, this process's share of it).
             batch = data.batch_at(task.train, prompts_per_step(args), args.seed, step)
@@ -141,10 +143,12 @@ def train(args, task, model, tokenizer, resume_dir=None):
             STOPS.raise_if_requested(saved)
         except (KeyboardInterrupt, UserError) as e:
             # Ctrl-C, or a run that cannot go on: keep what it learned.
-            checkpoint.save_interrupted(run, args, step, bool(updates), rng_at_start, stopped_by=e)
+            updated = run.scheduler.last_epoch != updates_at_start
+            checkpoint.save_interrupted(run, args, step, updated, rng_at_start, stopped_by=e)
             raise
-        with STOPS.at_once():
-            evaluate_if_due(run, task, args, step + 1, stop)
+        if eval_due(args, task, step + 1, stop):
+            with STOPS.at_once():  # training was saved just before (save_if_due)
+                evaluate_if_due(run, task, args, step + 1, stop)
         if stop:
             break
     with STOPS.at_once():
@@ -173,11 +177,12 @@ class StopRequests:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     # A second signal within this many seconds of the first is the same request delivered twice: Ctrl-C under
-    # torchrun reaches each worker from the terminal (SIGINT) and again from torchrun, which forwards SIGTERM.
+    # torchrun reaches each worker from the terminal and again from torchrun, which forwards the signal it gets.
     SAME_REQUEST_S = 1.0
 
     def __init__(self):
         self.signum, self.immediate, self.previous, self.first_at = None, False, {}, 0.0
+        self.deferring, self.stop_deferred = False, None
 
     def __enter__(self):
         self.signum = None
@@ -192,11 +197,10 @@ class StopRequests:
         self.signum, self.previous = None, {}
 
     def handle(self, signum, frame):
-        if self.immediate:
-            raise Stopped(signum)
-        if self.signum is not None:
-            if time.monotonic() - self.first_at > self.SAME_REQUEST_S:
-                raise Stopped(signum)
+        again = self.signum is not None
+        if self.immediate or (again and time.monotonic() - self.first_at > self.SAME_REQUEST_S):
+            return self.stop(signum)
+        if again:  # the same request delivered twice (SAME_REQUEST_S)
             return
         self.signum, self.first_at = signum, time.monotonic()
         print(
@@ -205,6 +209,24 @@ class StopRequests:
             file=sys.stderr,
             flush=True,
         )
+
+    def stop(self, signum):
+        """Stop at once: now, or at the end of a deferred() block."""
+        if self.deferring:
+            self.stop_deferred = signum
+        else:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A stop at once waits for the end of this block (an optimizer update: weights, AdamW and schedule)."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring, signum, self.stop_deferred = False, self.stop_deferred, None
+        if signum is not None:
+            raise Stopped(signum)
 
     @contextlib.contextmanager
     def at_once(self):
@@ -623,12 +645,15 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
         if not math.isfinite(loss):
             return grad_norm, "non-finite loss"
         return grad_norm, "fp16 overflow" if scaler is not None else "non-finite gradient norm"
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    scheduler.step()
+    # The weights, AdamW and the schedule move together: a second signal waits for all three (train: the schedule's
+    # count says whether a step interrupted there had changed the weights).
+    with STOPS.deferred():
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        scheduler.step()
     # What the checks above cannot see (a clipping or optimizer fault turning finite gradients into NaN weights)
     # stops the run here: the update cannot be undone, and nothing non-finite is ever saved.
     bad, anywhere = checkpoint.nonfinite_weights(model, trainable_only=True)
@@ -845,7 +870,9 @@ def save_if_due(run, task, args, done, last=False):
     early), and before every evaluation, so that a crash or Ctrl-C inside an evaluation loses no training."""
     periodic = args.save_every > 0 and done % args.save_every == 0
     if periodic or done == args.steps or last or eval_due(args, task, done):
-        checkpoint.save_run(run, args, done, checkpoint.rng_state(), final=last)
+        # the run's last save when a signal asked it to stop: LoRA's merged model too
+        final = last or STOPS.signum is not None
+        checkpoint.save_run(run, args, done, checkpoint.rng_state(), final=final)
         return True
     return False
 
@@ -932,6 +959,8 @@ def main(argv=None):
                 f"--resume: no checkpoint in {args.output_dir} (expected {args.output_dir}/checkpoint "
                 "with training_state.pt). Pass the --output-dir of the run to continue, or drop --resume."
             )
+        if args.eval_only and resume_dir is not None and not args.lora_rank:
+            check_whole_model(resume_dir)
         # Before the model loads: one run per output directory, locked while it is live (--eval-only: no claim).
         with rundir.claim_output_dir(args):
             task, model, tokenizer = setup(args, resume_dir)
@@ -958,7 +987,8 @@ def main(argv=None):
             f"error: {device} ran out of memory. Lower the memory per forward/backward with --micro-batch-size (in "
             "completions, a multiple of --num-generations; e.g. the group size alone), turn on "
             "--gradient-checkpointing, or lower --max-new-tokens / --num-generations / --eval-batch-size. "
-            "The last checkpoint (if any) is in the output directory; add --resume to continue from it.",
+            "The last checkpoint (if any) is in the output directory: add --resume to continue from it (without "
+            "one, --overwrite to start over).",
             file=sys.stderr,
         )
         raise SystemExit(2) from None
@@ -968,6 +998,19 @@ def out_of_memory(e):
     """Whether an exception is an allocation failing: CUDA's OutOfMemoryError, Python's MemoryError, or the
     RuntimeError torch's CPU allocator raises ("DefaultCPUAllocator: can't allocate memory")."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
+def check_whole_model(resume_dir):
+    """--eval-only --resume without --lora-rank needs a whole model in the checkpoint: a LoRA run's periodic
+    checkpoints hold its adapter only (its last one holds the merged model too)."""
+    if os.path.isdir(os.path.join(resume_dir, "adapter")) and not os.path.isfile(
+        os.path.join(resume_dir, "config.json")
+    ):
+        raise UserError(
+            f"--eval-only --resume: {resume_dir} holds a LoRA adapter, not a whole model (a --lora-rank run's "
+            "checkpoint before its last). Pass the run's --lora-rank (and its other --lora-* flags) to evaluate "
+            "--model with the adapter on."
+        )
 
 
 def checkpoint_policy(model, args, resume_dir):
