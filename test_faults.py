@@ -509,7 +509,9 @@ def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weight
         0,
         1,
     ]
-    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 3
+    # step 3 applied no update: the checkpoint is the end of step 2 (the last metrics row), with the RNG
+    # as it was then, so --resume redoes step 3
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
     after_step_1 = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
     monkeypatch.undo()
     run_tiny(tmp_path / "one", "--steps", "1")
