@@ -341,6 +341,43 @@ def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_b
     )
 
 
+@pytest.mark.parametrize("signum", [None, signal.SIGHUP], ids=["pipe closed", "terminal hung up"])
+def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
+    """`python train.py | head` closes the pipe after its lines: every later write fails (EPIPE). An ssh session
+    that drops hangs up the terminal: SIGHUP, then every write fails (EIO). Before, the first failing print ended
+    the run with a traceback and no save. Now the output is dropped and training goes on: with the pipe closed
+    the run ends as usual (exit 0, every step saved and logged); on a hangup the step under way finishes, is saved
+    and the run exits with 129, ready for --resume."""
+    out = tmp_path / "run"
+    argv = [*FAULT_ARGV, "--steps", "6", "--save-every", "0", "--output-dir", str(out)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "train.py"), *argv],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    for line in proc.stdout:
+        if line.startswith(b"GRPO:"):
+            break
+    proc.stdout.close()  # the reader is gone
+    if signum is not None:
+        # after step 1's metrics row: in a step, not the evaluation before training (that one stops at once)
+        log = out / "metrics.jsonl"
+        while proc.poll() is None and not (log.exists() and '"loss"' in log.read_text()):
+            time.sleep(0.02)
+        proc.send_signal(signum)
+    code = proc.wait()
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    saved = checkpoint.load_state(str(out / "checkpoint"))["step"]
+    if signum is None:
+        assert (code, steps, saved) == (0, [1, 2, 3, 4, 5, 6], 6)
+    else:
+        # the signal came during step 2 at the earliest; the stop saves the step it finished
+        assert code == 129 and 2 <= saved <= 6 and steps == list(range(1, saved + 1))
+
+
 def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(tmp_path, capsys):
     # In-process: the first SIGTERM arrives inside step 3's rewards (a reward function sends it), so step 3
     # finishes, is saved and the run stops with exit code 143; no metrics row is lost or half-written.

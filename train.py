@@ -248,6 +248,45 @@ class StopRequests:
 STOPS = StopRequests()
 
 
+class OutlivesItsReader:
+    """stdout or stderr that outlives whoever reads it. When an ssh session drops, the terminal hangs up: SIGHUP,
+    then every write fails with EIO. When `python train.py | head` has its lines, every write fails with EPIPE. A
+    failing print would end the run with a traceback and no save. Instead, from the first failed write on, the
+    output goes to /dev/null and training goes on: metrics.jsonl, the checkpoints and the exit code record it all.
+    Installed by `python train.py` only, never by main() called from your code."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text):
+        try:
+            return len(text) if self.gone else self.stream.write(text)
+        except OSError:
+            self.lost()
+            return len(text)
+
+    def flush(self):
+        try:
+            if not self.gone:
+                self.stream.flush()
+        except OSError:
+            self.lost()
+
+    def lost(self):
+        """Point the stream's file descriptor at /dev/null: its buffered text, and everything after it, goes there
+        (interpreter exit flushes it too, and would otherwise fail with exit code 120)."""
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+            self.stream.flush()
+        except OSError:  # no file descriptor to point elsewhere: drop what comes
+            self.gone = True
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+
 class EveryRankError(UserError):
     """A reward error on one rank (under torchrun), raised on every rank at the same point, so that they all save
     the step's start together (checkpoint.save_interrupted: `everywhere`) instead of waiting for one another."""
@@ -1025,6 +1064,7 @@ def checkpoint_policy(model, args, resume_dir):
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = OutlivesItsReader(sys.stdout), OutlivesItsReader(sys.stderr)
     try:
         main()
     except KeyboardInterrupt as e:  # 130 for Ctrl-C; a signal's 128 + its number (train.Stopped)
