@@ -12,8 +12,8 @@ import re
 
 import torch
 
-import trackers
-from errors import UserError
+from support import trackers
+from support.errors import UserError
 
 
 def build_parser():

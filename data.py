@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import rewards
-from errors import UserError
+from support.errors import UserError
 
 
 @dataclass

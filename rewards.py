@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from errors import UserError
+from support.errors import UserError
 
 THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
 

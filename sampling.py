@@ -4,7 +4,7 @@ grpo.py is the math and never sees a model; this file turns a model into what th
   sample_rollouts   Algorithm 1's line 7: B prompts -> B*G completions, as Rollouts, from the flags' settings only
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
 Those two come first. The decode engine that sample_rollouts drives (static KV cache, compiled step, sampling
-among the top-k / top-p survivors) is decode.py.
+among the top-k / top-p survivors) is support/decode.py.
 """
 
 import contextlib
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
-import decode
 import grpo
+from support import decode
 
 
 @dataclass(frozen=True)

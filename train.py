@@ -8,8 +8,8 @@
     python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer \
         --reward-fn my_rewards:exact                          # your own task (README: Your own task)
 
-The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py, the models in models.py,
-checkpoints in checkpoint.py, the progress line and metrics.jsonl in report.py.
+The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py; the support code in
+support/: the models (models.py), checkpoints (checkpoint.py), the progress line and metrics.jsonl (report.py).
 """
 
 import collections
@@ -27,19 +27,13 @@ from dataclasses import dataclass
 import torch
 from transformers import get_scheduler, set_seed
 
-import checkpoint
 import config
 import data
-import decode
-import demo
-import distributed
 import grpo
-import models
-import report
 import rewards
-import rundir
 import sampling
-from errors import UserError
+from support import checkpoint, decode, demo, distributed, models, report, rundir
+from support.errors import UserError
 
 
 def train(args, task, model, tokenizer, resume_dir=None):

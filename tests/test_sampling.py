@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-import decode
-import demo
 import grpo
 import sampling
-from conftest import decode_with_drawn_logprobs, left_padded_batch, tiny_llama
+from grpo import grpo_loss
+from helpers import decode_with_drawn_logprobs, left_padded_batch, tiny_llama
 from sampling import token_logprobs
+from support import decode, demo
 
 
 def naive_logprobs(model, ids, attention, c, temperature):
@@ -257,7 +257,7 @@ def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefil
 
 
 def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
-    import bench
+    from scripts import bench
 
     model = small_llama()
     ids, mask = left_padded_prompts([4, 6], 97)
@@ -291,7 +291,7 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
     # bench.force_lengths, which hands each generate call its step's lengths), ours with decode() inside
     # bench.forced_lengths_in_decode. Both must end every row where the lengths say (9 > 8 new tokens: cut off, no
     # EOS).
-    import bench
+    from scripts import bench
 
     model = small_llama()
     ids, mask = left_padded_prompts([5, 5], 97)
@@ -318,10 +318,11 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
         ).sum().item() == 5  # EOS only where forced: every row but the 9's
 
 
+@pytest.mark.slow
 def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
     # Compiled, decode keeps every planned row in the batch (here 8 for 6 real rows): the rows that
     # bench.forced_lengths_in_decode forces are the real ones, padding rows never written out. Same lengths as eager.
-    import bench
+    from scripts import bench
 
     model = small_llama()
     ids, mask = left_padded_prompts([4, 6], 97)
@@ -342,8 +343,8 @@ def test_bench_times_the_loop_itself(tmp_path):
     import argparse
     from unittest import mock
 
-    import bench
     import train
+    from scripts import bench
 
     a = argparse.Namespace(
         config="tiny",
@@ -411,6 +412,7 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
 # --- generation: the flags only, the exact distribution, long prompts -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["decode", "generate"])
 def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_k_top_p(
     path, monkeypatch
@@ -551,3 +553,24 @@ def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
     assert torch.equal(ours, hf_warpers(scores, 1.0, 3, top_p))
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == survivors
     assert torch.equal(ours[0][survivors], scores[0][survivors])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5])
+def test_step_1_token_logprobs_of_the_policy_and_the_reference_give_loss_minus_2_and_kl_0(beta):
+    # test_grpo.py's step-1 example, on a real model: token_logprobs with and without a gradient agree exactly.
+    model = tiny_llama()
+    ids, attention = left_padded_batch(group_size=2, prompt_lengths=(5, 3))
+    logps = token_logprobs(model, ids, attention, 5)
+    with torch.no_grad():
+        ref = token_logprobs(model, ids, attention, 5)
+    stats = {}
+    loss = grpo_loss(
+        logps,
+        None,
+        ref if beta else None,
+        torch.full((4,), 2.0),
+        torch.ones(4, 5),
+        beta=beta,
+        stats=stats,
+    )
+    assert loss.item() == pytest.approx(-2.0, abs=1e-6) and stats["kl"] == 0.0

@@ -1,7 +1,7 @@
-"""gpu_check.py on CPU: the kit (--prepare), the random-weight model, and the whole check on the tiny shape, as the GPU
+"""scripts/gpu_check.py on CPU: the kit (--prepare), the random-weight model, and the whole check on the tiny shape, as the GPU
 machine runs it. No SmolLM2 here: the kit's tokenizer is a word-level one over GSM8K-like text, with a chat template.
 
-    python -m pytest -q test_gpu_check.py
+    python -m pytest -q tests/test_gpu_check.py
 """
 
 import json
@@ -12,10 +12,10 @@ import sys
 import pytest
 
 import data
-import demo
-import gpu_check
+from helpers import ROOT
+from scripts import gpu_check
+from support import demo
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # ChatML as SmolLM2's template writes it, with spaces between the tags and the words: one token each, word-level.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -96,32 +96,18 @@ def test_build_model_takes_the_tokenizers_vocabulary_when_larger_and_its_eos_and
     assert model.generation_config.pad_token_id == model.config.pad_token_id == 4
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     out = tmp_path / "report.json"
     command = [
         sys.executable,
-        os.path.join(HERE, "gpu_check.py"),
-        "--config",
-        "tiny",
-        "--device",
-        "cpu",
-        "--kit",
+        *"-m scripts.gpu_check --config tiny --device cpu --kit".split(),
         kit,
-        "--compile-backend",
-        "aot_eager",
-        "--rows",
-        "16",
-        "--out",
+        *"--compile-backend aot_eager --rows 16 --out".split(),
         str(out),
-        "--",
-        "--max-new-tokens",
-        "4",
-        "--eval-limit",
-        "2",
-        "--dtype",
-        "bf16",
+        *"-- --max-new-tokens 4 --eval-limit 2 --dtype bf16".split(),
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -160,6 +146,7 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     assert "===== OK" in done.stdout and "decode: 16 rows" in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_model_in_bf16(
     kit, tmp_path
 ):
@@ -173,33 +160,20 @@ def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_mo
     out = tmp_path / "report.json"
     command = [
         sys.executable,
-        os.path.join(HERE, "gpu_check.py"),
-        "--config",
-        "smollm2-135m",
-        "--device",
-        "cpu",
-        "--kit",
+        *"-m scripts.gpu_check --config smollm2-135m --device cpu --kit".split(),
         kit,
-        "--skip-decode",
-        "--out",
+        *"--skip-decode --out".split(),
         str(out),
-        "--",
-        "--dtype",
-        "bf16",
-        "--max-new-tokens",
-        "4",
-        "--num-generations",
-        "2",
-        "--gradient-accumulation-steps",
-        "1",
-        "--eval-limit",
-        "1",
-        "--eval-samples",
-        "2",
-        "--steps",
-        "2",
+        *"-- --dtype bf16 --max-new-tokens 4 --num-generations 2".split(),
+        *"--gradient-accumulation-steps 1 --eval-limit 1 --eval-samples 2 --steps 2".split(),
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="2",
+        MALLOC_MMAP_THRESHOLD_="65536",
+        PYTHONPATH=ROOT,
+    )
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

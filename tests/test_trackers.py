@@ -1,4 +1,4 @@
-"""--report-to: tiny demo runs (train.main, or conftest.run_tiny where a crash is needed) read back from what each
+"""--report-to: tiny demo runs (train.main, or helpers.run_tiny where a crash is needed) read back from what each
 tracker wrote, with no network. TensorBoard: its event files through TensorBoard's own EventAccumulator (every
 metrics.jsonl field at its step with the same value, the flags, the samples; resume continuing the step axis, what a
 crash logged past its checkpoint purged; --overwrite starting afresh). W&B in offline mode: its run file (history,
@@ -14,14 +14,11 @@ import sys
 
 import pytest
 
-import checkpoint
 import config
-import distributed
-import report
 import rewards
-import trackers
 import train
-from conftest import read_metrics, run_tiny, tiny_argv
+from helpers import read_metrics, run_tiny, tiny_argv
+from support import checkpoint, distributed, report, trackers
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
@@ -75,6 +72,7 @@ def uncode(markdown):
     return "\n".join(line[4:] for line in markdown.splitlines())
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_every_metrics_field_at_its_step_the_flags_and_each_groups_samples(
     tmp_path, capsys
 ):
@@ -147,6 +145,7 @@ def crash_at_training_step(monkeypatch, n):
     return real
 
 
+@pytest.mark.slow
 def test_resume_continues_the_tensorboard_step_axis_and_purges_what_a_crash_logged_past_its_checkpoint(
     tmp_path, monkeypatch
 ):
@@ -245,6 +244,7 @@ def without_wandb_keys(row):
     return {k: v for k, v in row.items() if not k.startswith(("_", "samples."))}
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_every_row_the_flags_and_samples_and_resume_continues_it(
     tmp_path, monkeypatch, wandb_offline
 ):
@@ -346,6 +346,7 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_its_first_step(
     assert read_metrics(tmp_path / "run") == []  # no step trained
 
 
+@pytest.mark.slow
 def test_a_tracker_failing_mid_run_is_said_once_and_the_training_goes_on(
     tmp_path, monkeypatch, capsys
 ):

@@ -1,16 +1,16 @@
 """Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table last.
 
-    python bench.py                                # --logprobs, then --step --config tiny: a few minutes on 2 cores
-    python bench.py --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
-    python bench.py --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
-    BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --vs-trl --config tiny   # c. the same step in TRL
+    python -m scripts.bench                                # --logprobs, then --step --config tiny: a few minutes on 2 cores
+    python -m scripts.bench --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
+    python -m scripts.bench --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
+    BENCH_PYTHON=/path/to/benchvenv/bin/python python -m scripts.bench --vs-trl --config tiny   # c. the same step in TRL
     ... --vs-trl --config 100m --rounds 5 --real-length   # completions end at lengths uniform in [max_new/8, max_new]
-    python bench.py --rollout /path/to/model --batch-size 2 --max-new-tokens 200   # d. tokens/s of a real rollout
-    BENCH_PYTHON=/path/to/benchvenv/bin/python python bench.py --parity   # e. our loss and gradients = TRL's, 57 cases
+    python -m scripts.bench --rollout /path/to/model --batch-size 2 --max-new-tokens 200   # d. tokens/s of a real rollout
+    BENCH_PYTHON=/path/to/benchvenv/bin/python python -m scripts.bench --parity   # e. our loss and gradients = TRL's, 57 cases
 
 --vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned versions, in a venv:
     python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
-Every measurement runs in a fresh subprocess (`bench.py --worker ...`), so one variant's memory never counts against
+Every measurement runs in a fresh subprocess (`python -m scripts.bench --worker ...`), so one variant's memory never counts against
 another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing is downloaded.
 """
 
@@ -35,16 +35,28 @@ from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
 
 import config
 import data
-import decode
-import demo
 import grpo
-import report
 import rewards
 import sampling
 import train
+from support import decode, demo, report
 
 # Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
 # smollm2-135m and smollm2-1.7b: HuggingFaceTB/SmolLM2-135M- and 1.7B-Instruct's config.json, with random weights.
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__))
+)  # the repository root: workers run from it
+# A local copy of the real GSM8K, for the tools and tests that read it: a directory holding train.jsonl and test.jsonl,
+# named by this environment variable. Unset, the tools download it (data.load_gsm8k) and the tests that need it skip.
+GSM8K_ENV = "GRPO_GSM8K_DIR"
+
+
+def gsm8k_file(split):
+    """$GRPO_GSM8K_DIR/{split}.jsonl, or None where the variable is unset (data.load_gsm8k then downloads)."""
+    directory = os.environ.get(GSM8K_ENV)
+    return os.path.join(directory, f"{split}.jsonl") if directory else None
+
+
 CONFIGS = {
     "tiny": dict(
         hidden_size=128,
@@ -632,10 +644,10 @@ def run_worker(a, name, *extra):
         else sys.executable
     )
     proc = subprocess.run(
-        [python, os.path.abspath(__file__), *map(str, flags)],
+        [python, "-m", "scripts.bench", *map(str, flags)],
         capture_output=True,
         text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
+        cwd=ROOT,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -786,12 +798,9 @@ def bench_rollout(a):
     torch.set_num_threads(a.threads if a.threads != 1 else 2)
     model = AutoModelForCausalLM.from_pretrained(a.rollout, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(a.rollout))
-    gsm8k = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k", "test.jsonl"
-    )
     prompts = [
         data.build_prompt(tokenizer, row["prompt"])
-        for row in data.load_gsm8k(path=gsm8k)[: a.batch_size]
+        for row in data.load_gsm8k("test", path=gsm8k_file("test"))[: a.batch_size]
     ]
     settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
     # an EOS after max_new tokens: never

@@ -1,7 +1,7 @@
-"""Shared helpers of the test files: the CPU pinning, tiny models, tiny training runs and their metrics, data files.
+"""Shared helpers of the tests in tests/: the CPU pinning, tiny models, tiny training runs and their metrics, data files.
 
-Plain functions, imported by the tests as `from conftest import ...` (pytest puts the repository root, where this file
-is, on sys.path and imports it before any test module). HF_HUB_OFFLINE is set here first: tests never download.
+Plain functions, imported as `from helpers import ...` (pyproject.toml puts the repository root and tests/ on the
+import path).
 TOL: see test_grpo.py's docstring.
 """
 
@@ -12,20 +12,15 @@ import subprocess
 import sys
 from unittest import mock
 
-# tests never download; an unknown hub id must fail at once
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-import checkpoint  # noqa: E402
-import config  # noqa: E402
-import decode  # noqa: E402
-import demo  # noqa: E402
-import grpo  # noqa: E402
-import rewards  # noqa: E402
-import sampling  # noqa: E402
-import train  # noqa: E402
+import config
+import grpo
+import rewards
+import sampling
+import train
+from support import checkpoint, decode, demo
 
 TOL = 1e-6  # see test_grpo.py's docstring
 
@@ -35,7 +30,7 @@ TOL = 1e-6  # see test_grpo.py's docstring
 # fully_shard's default mesh is the machine's accelerator, whatever device the model is on.
 CPU = ["--device", "cpu"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TIME_FIELDS = {"step_time", "tokens_per_s", "eta_s"}
 
 
@@ -71,25 +66,10 @@ def tiny_argv(out_dir, *extra):
     """A fast demo run on the CPU: no warm-up, 4 prompts x G=4 per step in 2 micro-batches, 1 step, no eval."""
     return [
         *CPU,
-        "--demo",
-        "--demo-warmup-steps",
-        "0",
-        "--output-dir",
+        *"--demo --demo-warmup-steps 0 --output-dir".split(),
         str(out_dir),
-        "--steps",
-        "1",
-        "--batch-size",
-        "2",
-        "--gradient-accumulation-steps",
-        "2",
-        "--num-generations",
-        "4",
-        "--num-iterations",
-        "1",
-        "--eval-every",
-        "-1",
-        "--sample-every",
-        "0",
+        *"--steps 1 --batch-size 2 --gradient-accumulation-steps 2 --num-generations 4".split(),
+        *"--num-iterations 1 --eval-every -1 --sample-every 0".split(),
         *extra,
     ]
 
@@ -179,28 +159,10 @@ def own_task_argv(tmp_path, *extra):
         tiny_model_dir(tmp_path),
         "--data",
         write_rows(tmp_path / "my.jsonl", rows),
-        "--prompt-field",
-        "prompt",
-        "--answer-field",
-        "answer",
-        "--output-dir",
+        *"--prompt-field prompt --answer-field answer --output-dir".split(),
         str(tmp_path / "run"),
-        "--steps",
-        "1",
-        "--batch-size",
-        "2",
-        "--gradient-accumulation-steps",
-        "2",
-        "--num-generations",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--eval-every",
-        "-1",
-        "--sample-every",
-        "0",
-        "--save-every",
-        "0",
+        *"--steps 1 --batch-size 2 --gradient-accumulation-steps 2 --num-generations 2".split(),
+        *"--max-new-tokens 4 --eval-every -1 --sample-every 0 --save-every 0".split(),
         *extra,
     ]
 
@@ -235,31 +197,29 @@ def torchrun_command(out_dir, *argv, nproc=2):
     """python -m torch.distributed.run ... train.py --demo on the CPU, with `argv`."""
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
+        *"-m torch.distributed.run --standalone --nproc-per-node".split(),
         str(nproc),
-        os.path.join(HERE, "train.py"),
+        os.path.join(ROOT, "train.py"),
         *CPU,
-        "--demo",
-        "--output-dir",
+        *"--demo --output-dir".split(),
         str(out_dir),
-        "--sample-every",
-        "0",
+        *"--sample-every 0".split(),
         *argv,
     ]
 
 
 def torchrun_env():
-    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPU)
+    """The ranks' environment: offline, one thread, no GPU, and tests/ importable (--reward-fn helpers:...)."""
+    tests = os.path.join(ROOT, "tests")
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **NO_GPU)
 
 
 def torchrun(out_dir, *argv, nproc=2):
     """train.py --demo under torchrun with `argv`, to the end (exit code 0): its output."""
     result = subprocess.run(
         torchrun_command(out_dir, *argv, nproc=nproc),
-        cwd=HERE,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         env=torchrun_env(),

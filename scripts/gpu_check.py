@@ -1,9 +1,9 @@
 """Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine without network.
 
-    python gpu_check.py --prepare /path/to/SmolLM2-135M-Instruct   # here, once: writes gpu_kit/ (a few MiB)
-    python gpu_check.py --out $OUT/gpu_check.json                  # on the GPU machine, from the checkout root
-    python gpu_check.py --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags go after --
-    python gpu_check.py --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test of this file
+    python -m scripts.gpu_check --prepare /path/to/SmolLM2-135M-Instruct   # here, once: writes gpu_kit/ (a few MiB)
+    python -m scripts.gpu_check --out $OUT/gpu_check.json                  # on the GPU machine, from the checkout root
+    python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags go after --
+    python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test of this file
 
 The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not depend on the weights,
 and none can be downloaded there) and runs train.py's own loop with its default flags (G = 8, 4 prompts per step,
@@ -40,17 +40,13 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-import bench
-import checkpoint
 import config
 import data
-import decode
-import demo
-import models
 import sampling
 import train
+from scripts import bench
+from support import checkpoint, decode, demo, models
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 KIT_ROWS = {"train": 64, "test": 32}
 GIB = 2**30
 # What nvidia-smi reports as the total memory of an A100 40GB and an H100 80GB, and a CUDA context's share of it
@@ -91,7 +87,8 @@ def prepare_kit(smollm2_dir, gsm8k_dir, kit):
     tokenizer.save_pretrained(os.path.join(kit, "tokenizer"))
     for split, n in KIT_ROWS.items():
         dst = os.path.join(kit, "gsm8k", f"{split}.jsonl")
-        copied = copy_lines(os.path.join(gsm8k_dir, f"{split}.jsonl"), dst, n)
+        src = os.path.join(gsm8k_dir, f"{split}.jsonl") if gsm8k_dir else data._download(split)
+        copied = copy_lines(src, dst, n)
         data.load_gsm8k(path=dst)  # the rows must read as GSM8K: fail here, not on the GPU machine
         print(f"{dst}: {copied} rows")
     size = tree_bytes(kit)
@@ -118,7 +115,7 @@ def load_kit_tokenizer(kit):
     if not os.path.isdir(path):
         raise config.UserError(
             f"no tokenizer in {path}: build the kit first, on a machine with SmolLM2's files: "
-            "python gpu_check.py --prepare SMOLLM2_DIR (then carry gpu_kit/ along)."
+            "python -m scripts.gpu_check --prepare SMOLLM2_DIR (then carry gpu_kit/ along)."
         )
     return sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(path))
 
@@ -664,10 +661,11 @@ def parse(argv):
     )
     p.add_argument(
         "--gsm8k",
-        default=os.path.normpath(os.path.join(HERE, "..", "shared", "data", "gsm8k")),
-        help="with --prepare: the directory holding GSM8K's train.jsonl and test.jsonl",
+        default=os.environ.get(bench.GSM8K_ENV),
+        help="with --prepare: the directory holding GSM8K's train.jsonl and test.jsonl "
+        f"(default: ${bench.GSM8K_ENV}; unset: downloaded)",
     )
-    p.add_argument("--kit", default=os.path.join(HERE, "gpu_kit"), help="the kit's directory")
+    p.add_argument("--kit", default=os.path.join(bench.ROOT, "gpu_kit"), help="the kit's directory")
     p.add_argument(
         "--config", default="smollm2-1.7b", choices=list(bench.CONFIGS), help="the model's shape"
     )
@@ -764,7 +762,7 @@ def main(argv=None):
         if opts.prepare:
             prepare_kit(opts.prepare, opts.gsm8k, opts.kit)
             return 0
-        report = check(opts, train_argv, "python gpu_check.py " + shlex.join(argv))
+        report = check(opts, train_argv, "python -m scripts.gpu_check " + shlex.join(argv))
     except config.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,8 +16,8 @@ import data
 import rewards
 import sampling
 import train
-from conftest import CPU, read_metrics, tiny_model_dir
-from errors import UserError
+from helpers import CPU, read_metrics, tiny_model_dir
+from support.errors import UserError
 
 # Your own task's columns: the prompt, an integer answer, one more field; and the rows they make.
 OWN = {"q": ["Say hi", "Say bye"], "gold": [7, 8], "level": [3, 4]}
@@ -69,6 +69,7 @@ def save_splits(hf, path, **splits):
 # --- the formats, read through the same field mapping -------------------------------------------
 
 
+@pytest.mark.slow
 def test_parquet_csv_and_json_array_files_are_read_with_the_field_mapping(hf, tmp_path):
     rows = hf.Dataset.from_dict(OWN)
     rows.to_parquet(tmp_path / "rows.parquet")
@@ -360,6 +361,7 @@ def test_a_hub_id_offline_fails_fast_and_says_what_to_pass_instead(hf):
 # --- end to end: a run trains and evaluates from a save_to_disk directory -----------------------
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_the_train_split_and_evaluates_on_the_test_split_of_a_saved_dataset(
     hf, tmp_path
 ):

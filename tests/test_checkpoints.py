@@ -20,10 +20,9 @@ import torch
 import transformers.modeling_utils
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-import checkpoint
-import report
 import train
-from conftest import HERE, read_metrics, tiny_argv, without_time
+from helpers import ROOT, read_metrics, tiny_argv, without_time
+from support import checkpoint, report
 
 
 def run_main(out_dir, *extra):
@@ -60,6 +59,7 @@ def step_of(path):
 # --- one run per output directory -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_it_before_the_model_loads(
     tmp_path, monkeypatch, capsys
 ):
@@ -84,6 +84,7 @@ def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_it_before_
     assert "already holds a run (checkpoint.old/ at step 2)" in one_paragraph(capsys)
 
 
+@pytest.mark.slow
 def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_leaves_no_mix(
     tmp_path, monkeypatch, capsys
 ):
@@ -115,6 +116,7 @@ def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_le
     assert [row["step"] for row in read_metrics(run)] == [1]
 
 
+@pytest.mark.slow
 def test_a_live_run_holds_its_directory_and_a_killed_one_blocks_nothing(tmp_path, capsys):
     """A second process into a live run's directory (fresh or --resume) is refused naming the holder; --eval-only and
     --plot write no run and take no lock. SIGKILL leaves .lock behind, but the kernel dropped the flock: --resume
@@ -123,10 +125,10 @@ def test_a_live_run_holds_its_directory_and_a_killed_one_blocks_nothing(tmp_path
     live = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(HERE, "train.py"),
+            os.path.join(ROOT, "train.py"),
             *tiny_argv(run, "--steps", "100000", "--save-every", "1"),
         ],
-        cwd=HERE,
+        cwd=ROOT,
         env=dict(os.environ, HF_HUB_OFFLINE="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -226,6 +228,7 @@ def straight(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", list(WRITES))
 def test_a_full_disk_in_any_write_is_one_paragraph_and_the_previous_checkpoint_stands(
     tmp_path, monkeypatch, capsys, straight, what
@@ -287,11 +290,7 @@ def in_a_small_filesystem(tmp_path, size_kib, command, read_only=False):
         pytest.skip("no unshare command: cannot mount a small filesystem for this test")
     probe = subprocess.run(
         [
-            "unshare",
-            "--map-root-user",
-            "--mount",
-            "sh",
-            "-c",
+            *"unshare --map-root-user --mount sh -c".split(),
             f'mount -t tmpfs -o {options} tmpfs "{mnt}"',
         ],
         capture_output=True,
@@ -304,13 +303,14 @@ def in_a_small_filesystem(tmp_path, size_kib, command, read_only=False):
     script = f'mount -t tmpfs -o {options} tmpfs "$MNT" && {command}'
     return subprocess.run(
         ["unshare", "--map-root-user", "--mount", "sh", "-c", script],
-        cwd=HERE,
+        cwd=ROOT,
         env=dict(os.environ, HF_HUB_OFFLINE="1", MNT=str(mnt)),
         capture_output=True,
         text=True,
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails", ["model.safetensors", "training_state.pt"])
 def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight, fails):
     """A tmpfs with room for one checkpoint and a part of the next: the second save runs out of space (ENOSPC) in
@@ -325,7 +325,7 @@ def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight
     # a checkpoint, metrics.jsonl and .lock; then room for half the weights, or for all but half the training state
     room = weights // 2 if fails == "model.safetensors" else weights + small + state // 2
     train_py = " ".join(
-        [sys.executable, os.path.join(HERE, "train.py"), *tiny_argv("$MNT/run", "--steps", "3")]
+        [sys.executable, os.path.join(ROOT, "train.py"), *tiny_argv("$MNT/run", "--steps", "3")]
     )
     result = in_a_small_filesystem(
         tmp_path,
@@ -360,8 +360,9 @@ def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight
     )
 
 
+@pytest.mark.slow
 def test_a_read_only_filesystem_is_refused_before_the_model_loads(tmp_path):
-    train_py = " ".join([sys.executable, os.path.join(HERE, "train.py"), *tiny_argv("$MNT/run")])
+    train_py = " ".join([sys.executable, os.path.join(ROOT, "train.py"), *tiny_argv("$MNT/run")])
     result = in_a_small_filesystem(tmp_path, 64, train_py, read_only=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.startswith(
@@ -402,6 +403,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_a_damaged_checkpoint_is_one_paragraph_or_resume_falls_back_to_a_whole_checkpoint_old(
     tmp_path, monkeypatch, capsys, case
@@ -436,6 +438,7 @@ def test_a_damaged_checkpoint_is_one_paragraph_or_resume_falls_back_to_a_whole_c
     assert sorted(os.listdir(run)) == ["checkpoint", "curves.png", "metrics.jsonl"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "line, problem",
     [

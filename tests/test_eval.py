@@ -14,7 +14,7 @@ import data
 import rewards
 import sampling
 import train
-from conftest import CPU, read_metrics, tiny_model_dir, write_gsm8k
+from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
 
 # --- maj@k: the answer most of a question's k completions give, scored ------------------------------------------------
 
@@ -102,6 +102,7 @@ def test_an_extract_answer_that_raises_is_one_clear_error(tmp_path, monkeypatch)
 # --- --task addition, end to end on the tiny model ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_task_addition_trains_and_reports_mean_maj_and_pass_at_k(tmp_path):
     # The demo's tiny model (its word tokenizer reads "What is 34 + 22?" mostly as <unk>: this checks the plumbing,
     # not learning; docs/results.md has the real run). 2 steps on training questions; evaluations before and after
@@ -118,16 +119,7 @@ def test_task_addition_trains_and_reports_mean_maj_and_pass_at_k(tmp_path):
         *CPU,
         *("--model", tiny_model_dir(tmp_path), "--task", "addition", "--output-dir", str(out)),
         *("--steps", "2", "--batch-size", "2", "--num-generations", "4", "--max-new-tokens", "4"),
-        *(
-            "--eval-every",
-            "0",
-            "--eval-limit",
-            "4",
-            "--eval-samples",
-            "4",
-            "--eval-batch-size",
-            "4",
-        ),
+        *"--eval-every 0 --eval-limit 4 --eval-samples 4 --eval-batch-size 4".split(),
     ]
     with mock.patch.object(sampling, "sample_rollouts", spy):
         evals = train.main(argv)
@@ -155,7 +147,7 @@ def test_curves_draw_maj_and_pass_at_k_beside_the_mean(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    import report
+    from support import report
 
     rows = [
         {"step": s, "reward": 0.1 * s, "rewards/correctness": 0.1 * s, "kl": 0.0} for s in (1, 2)
@@ -186,6 +178,7 @@ def test_curves_draw_maj_and_pass_at_k_beside_the_mean(tmp_path):
 # --- a long run says what it is doing ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_loading_evaluation_and_saving_say_what_they_are_doing(tmp_path, monkeypatch, capsys):
     # The first minutes of a 1.7B run (loading, the first evaluation over 1,319 questions, a 20 GB save) used to
     # print nothing until the first batch or the save was done. Here: 5 held-out questions in batches of 2, and the

@@ -16,10 +16,9 @@ import socket
 import sys
 import time
 
-import distributed
-import report
-from checkpoint import checkpoint_step
-from errors import UserError
+from support import distributed, report
+from support.checkpoint import checkpoint_step
+from support.errors import UserError
 
 LOCK = ".lock"
 # What a run writes into its output directory (removed by --overwrite, the last one last: a removal cut short still

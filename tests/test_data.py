@@ -11,12 +11,12 @@ import pytest
 
 import config
 import data
-import demo
 import sampling
 import train
-from conftest import CPU, own_task_argv, read_metrics, tiny_argv, write_gsm8k, write_rows
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k
+from helpers import CPU, own_task_argv, read_metrics, tiny_argv, write_gsm8k, write_rows
 from rewards import format_reward
+from support import demo
 
 
 def gsm8k_line(question: str, answer: str) -> str:

@@ -3,7 +3,7 @@ whatever it raises (sys.exit, any BaseException but KeyboardInterrupt) is a rewa
 range are refused by name; --reward-timeout stops one that hangs. A reward error saves a checkpoint and exits with
 code 2 and one paragraph on stderr.
 
-The runs here are real tiny runs through train.main on your own JSONL task (conftest.own_task_argv: 4 prompts x G=2 a
+The runs here are real tiny runs through train.main on your own JSONL task (helpers.own_task_argv: 4 prompts x G=2 a
 step), with the reward function loaded by --reward-fn from a module written into the test's directory.
 """
 
@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
-import checkpoint
 import config
 import data
 import rewards
 import train
-from conftest import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
+from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
+from support import checkpoint
 
 MODULE = "isolation_rewards"
 
@@ -134,6 +134,7 @@ def test_ctrl_c_and_a_signals_stop_inside_a_reward_function_pass_through_untouch
     assert info.value is interrupt and len(calls) == 1
 
 
+@pytest.mark.slow
 def test_each_reward_function_gets_its_own_copy_of_every_argument_and_later_steps_see_the_data_unchanged(
     tmp_path, monkeypatch
 ):
@@ -150,8 +151,7 @@ def test_each_reward_function_gets_its_own_copy_of_every_argument_and_later_step
         f"{MODULE}:mutates",
         "--reward-fn",
         f"{MODULE}:looks",
-        "--steps",
-        "2",
+        *"--steps 2".split(),
     )
     train.main(argv)
     seen = sys.modules[MODULE].seen
@@ -213,6 +213,7 @@ def test_a_reward_beyond_float32s_range_is_refused_by_name(value):
         assert total.tolist() == [largest]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["sleeps", "spins"])
 def test_a_hung_reward_function_stops_the_run_at_the_reward_timeout_saves_and_exits_2(
     tmp_path, monkeypatch, capsys, safety_alarm, fn
@@ -235,6 +236,7 @@ def test_a_hung_reward_function_stops_the_run_at_the_reward_timeout_saves_and_ex
     assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] < 30.0
 
 
+@pytest.mark.slow
 def test_the_reward_timeout_applies_to_evaluation_too(tmp_path, monkeypatch, capsys, safety_alarm):
     user_module(tmp_path, monkeypatch)
     argv = own_task_argv(tmp_path, "--reward-fn", f"{MODULE}:sleeps", "--reward-timeout", "1")
@@ -242,6 +244,7 @@ def test_the_reward_timeout_applies_to_evaluation_too(tmp_path, monkeypatch, cap
     assert "error: reward function 'sleeps' did not return within 1 s (--reward-timeout)" in err
 
 
+@pytest.mark.slow
 def test_the_search_for_the_completion_a_function_fails_on_stops_at_the_time_limit(safety_alarm):
     # raises on the batch, hangs on each completion alone: the search one completion at a time must not hang
     def batch_fails_alone_hangs(completions, answers):
@@ -264,6 +267,7 @@ def test_the_search_for_the_completion_a_function_fails_on_stops_at_the_time_lim
     )
 
 
+@pytest.mark.slow
 def test_a_function_that_catches_the_alarm_or_runs_off_the_main_thread_is_refused_once_it_returns_late():
     # in the main thread: the alarm is caught (a bare except), then the function returns after its limit
     def swallows(completions, answers):
@@ -295,6 +299,7 @@ def test_a_function_that_catches_the_alarm_or_runs_off_the_main_thread_is_refuse
     assert total.tolist() == [1.0]
 
 
+@pytest.mark.slow
 def test_a_timer_of_your_own_that_expires_during_a_reward_call_goes_off_right_after_it():
     fired, done = [], []
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(time.monotonic()))
@@ -320,12 +325,9 @@ def test_reward_timeout_flag_reaches_every_reward_function_and_model(tmp_path):
     args = config.parse_args(
         own_task_argv(
             tmp_path,
-            "--reward-fn",
-            "format",
-            "--reward-model",
+            *"--reward-fn format --reward-model".split(),
             tiny_reward_model_dir(tmp_path),
-            "--reward-timeout",
-            "7",
+            *"--reward-timeout 7".split(),
         )
     )
     assert [(r.name, r.timeout) for r in rewards.from_flags(args, [])] == [

@@ -17,17 +17,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint
 import config
-import decode
-import demo
 import grpo
-import models
 import rewards
 import train
-from conftest import (
+from helpers import (
     CPU,
-    HERE,
+    ROOT,
     read_metrics,
     run_tiny,
     tiny_argv,
@@ -36,30 +32,13 @@ from conftest import (
     without_time,
     write_gsm8k,
 )
+from support import checkpoint, decode, demo, models
 
 FAULT_ARGV = [
     *CPU,
-    "--demo",
-    "--demo-warmup-steps",
-    "0",
-    "--batch-size",
-    "2",
-    "--gradient-accumulation-steps",
-    "2",
-    "--num-generations",
-    "4",
-    "--num-iterations",
-    "2",
-    "--save-every",
-    "1",
-    "--eval-every",
-    "4",
-    "--eval-limit",
-    "4",
-    "--eval-samples",
-    "2",
-    "--sample-every",
-    "0",
+    *"--demo --demo-warmup-steps 0 --batch-size 2 --gradient-accumulation-steps 2".split(),
+    *"--num-generations 4 --num-iterations 2 --save-every 1 --eval-every 4 --eval-limit 4".split(),
+    *"--eval-samples 2 --sample-every 0".split(),
 ]
 
 
@@ -75,8 +54,8 @@ def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL
     )
     before = started()
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "train.py"), *argv],
-        cwd=HERE,
+        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        cwd=ROOT,
         env=env,
         stdout=open(log, "a"),
         stderr=subprocess.STDOUT,
@@ -144,9 +123,7 @@ def bad_input_cases(tmp_path):
             [
                 "--data",
                 write_gsm8k(tmp_path / "three.jsonl", n=3),
-                "--eval-every",
-                "-1",
-                "--model",
+                *"--eval-every -1 --model".split(),
                 tiny_model_dir(tmp_path),
             ],
             ["a step takes 4 prompts", "has 3 rows"],
@@ -161,20 +138,10 @@ def bad_input_cases(tmp_path):
 # --- resume: the same run as the uninterrupted one, or a clear refusal ------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
 def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, monkeypatch, how):
-    argv = [
-        "--steps",
-        "4",
-        "--num-iterations",
-        "2",
-        "--eval-every",
-        "2",
-        "--eval-limit",
-        "4",
-        "--eval-samples",
-        "2",
-    ]
+    argv = "--steps 4 --num-iterations 2 --eval-every 2 --eval-limit 4 --eval-samples 2".split()
     run_tiny(tmp_path / "straight", *argv)
 
     # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
@@ -210,6 +177,7 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     assert without_time(resumed) == without_time(straight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "crash"])
 @pytest.mark.parametrize("at_step", [2, 4], ids=["periodic-eval", "final-eval"])
 def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_evaluation(
@@ -242,6 +210,7 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
     )
 
 
+@pytest.mark.slow
 def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_reference_apart(tmp_path):
     model_dir = tiny_model_dir(tmp_path)
     data_file = write_gsm8k(tmp_path / "train.jsonl")
@@ -249,18 +218,10 @@ def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_referen
         *CPU,
         "--data",
         data_file,
-        "--num-generations",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--eval-every",
-        "-1",
-        "--sample-every",
-        "0",
-        "--output-dir",
+        *"--num-generations 2 --max-new-tokens 4 --eval-every -1 --sample-every 0".split(),
+        *"--output-dir".split(),
         str(tmp_path / "run"),
-        "--beta",
-        "0.1",
+        *"--beta 0.1".split(),
     ]
     train.main(["--model", model_dir, "--steps", "1", *argv])
     resumed = str(tmp_path / "run" / "checkpoint")
@@ -274,6 +235,7 @@ def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_referen
     )
 
 
+@pytest.mark.slow
 def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     run_tiny(tmp_path / "run", "--steps", "2", "--save-every", "1")
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
@@ -284,6 +246,7 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
     assert "skipping a line cut short" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(tmp_path):
     """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
     anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
@@ -312,6 +275,7 @@ def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_m
     assert checkpoint.load_state(str(killed))["step"] == steps
 
 
+@pytest.mark.slow
 def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_bit_identically(
     tmp_path,
 ):
@@ -341,6 +305,7 @@ def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_b
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [None, signal.SIGHUP], ids=["pipe closed", "terminal hung up"])
 def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
     """`python train.py | head` closes the pipe after its lines: every later write fails (EPIPE). An ssh session
@@ -352,8 +317,8 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
     argv = [*FAULT_ARGV, "--steps", "6", "--save-every", "0", "--output-dir", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "train.py"), *argv],
-        cwd=HERE,
+        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -378,6 +343,7 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
         assert code == 129 and 2 <= saved <= 6 and steps == list(range(1, saved + 1))
 
 
+@pytest.mark.slow
 def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(tmp_path, capsys):
     # In-process: the first SIGTERM arrives inside step 3's rewards (a reward function sends it), so step 3
     # finishes, is saved and the run stops with exit code 143; no metrics row is lost or half-written.
@@ -403,6 +369,7 @@ def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(
     run_tiny(tmp_path / "next", "--steps", "1")
 
 
+@pytest.mark.slow
 def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tmp_path):
     run_tiny(tmp_path, "--steps", "1")
     with pytest.raises(
@@ -416,6 +383,7 @@ def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tm
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys):
     other = tmp_path / "other-model"
     demo.tiny_llama(len(demo.WORDS), 0, hidden_size=32, intermediate_size=64).save_pretrained(other)
@@ -425,15 +393,7 @@ def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys
         *CPU,
         "--data",
         train_file,
-        "--steps",
-        "1",
-        "--num-generations",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--eval-every",
-        "-1",
-        "--output-dir",
+        *"--steps 1 --num-generations 2 --max-new-tokens 4 --eval-every -1 --output-dir".split(),
         str(tmp_path / "run"),
     ]
     train.main(["--model", tiny_model_dir(tmp_path), *argv])
@@ -510,6 +470,7 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
 # --- non-finite losses, gradients and rewards; degenerate batches -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_nan_loss_skips_the_update_weights_and_adamw_unchanged_and_logs_why(
     tmp_path, monkeypatch
 ):
@@ -534,6 +495,7 @@ def test_a_non_finite_gradient_norm_skips_the_update(tmp_path, monkeypatch):
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["optimizer"]["state"] == {}
 
 
+@pytest.mark.slow
 def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weights(
     tmp_path, monkeypatch
 ):
@@ -580,6 +542,7 @@ def test_a_reward_that_is_not_finite_stops_the_run_naming_the_function_and_saves
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["eos_first", "no_eos", "all_groups_zero_std"])
 def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case):
     real_generate = decode.generate
@@ -690,6 +653,7 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, value, expected",
     [

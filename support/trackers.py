@@ -26,8 +26,8 @@ import os
 import shutil
 import sys
 
-import distributed
-from errors import UserError
+from support import distributed
+from support.errors import UserError
 
 # --report-to's names: the module each one imports, and the package that provides it
 MODULES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}

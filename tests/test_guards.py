@@ -1,6 +1,6 @@
 """What stops a run before it does harm: weights that became non-finite (never saved), running out of memory on the
 CPU, a generation budget beyond the model's context, a second signal; and --eval-only --resume evaluating the
-checkpoint, not the initial model. Every run is the demo's tiny model on the CPU (conftest.tiny_argv).
+checkpoint, not the initial model. Every run is the demo's tiny model on the CPU (helpers.tiny_argv).
 """
 
 import json
@@ -13,10 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint
-import models
 import train
-from conftest import CPU, read_metrics, run_tiny, tiny_argv, tiny_model_dir, varied_reward
+from helpers import CPU, read_metrics, run_tiny, tiny_argv, tiny_model_dir, varied_reward
+from support import checkpoint, models
 
 # --- weights that are not finite --------------------------------------------------------------------------------------
 
@@ -120,7 +119,7 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypa
 def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
     tmp_path, monkeypatch, capsys
 ):
-    # The tiny model's context is 512 tokens (conftest.tiny_model_dir). Before: the prompt was cut to nothing, and the
+    # The tiny model's context is 512 tokens (helpers.tiny_model_dir). Before: the prompt was cut to nothing, and the
     # first forward raised a reshape error from inside the model.
     model_dir = tiny_model_dir(tmp_path)
     rows = tmp_path / "rows.jsonl"
@@ -179,6 +178,7 @@ def evaluated_logits(monkeypatch, argv):
     return seen["logits"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
     tmp_path, monkeypatch, lora
@@ -207,6 +207,7 @@ def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
 # --- a second signal --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "gap, code, saved_at", [(0.1, 143, 2), (1.3, 130, 1)], ids=["same", "second"]
 )
@@ -330,6 +331,7 @@ def test_a_directory_without_a_checkpoint_is_not_offered_resume(tmp_path, capsys
     assert "--resume to continue" not in err and "(it has no checkpoint to --resume from)" in err
 
 
+@pytest.mark.slow
 def test_eval_only_resume_of_an_adapter_only_checkpoint_asks_for_the_lora_flags(tmp_path, capsys):
     pytest.importorskip("peft")
     run_tiny(tmp_path, "--steps", "1", "--lora-rank", "4")

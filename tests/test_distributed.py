@@ -7,18 +7,16 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
-import checkpoint
-import demo
-import distributed
 import grpo
 import sampling
 import train
-from conftest import (
-    HERE,
+from helpers import (
     NO_GPU,
+    ROOT,
     assert_same_run,
     read_metrics,
     tiny_rollouts,
@@ -26,6 +24,7 @@ from conftest import (
     torchrun_command,
     torchrun_env,
 )
+from support import checkpoint, demo, distributed
 
 # Group 0 long, group 1 one token each: a per-rank normalizer would be wrong, and under FSDP2 rank 1's micro-batch
 # of 1-token completions must still run the same forwards as rank 0's.
@@ -97,6 +96,7 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
 # --- DDP and FSDP2 gradients equal the one-process gradient -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
     tmp_path, monkeypatch
 ):
@@ -127,6 +127,7 @@ def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
 # --- torchrun: the demo, FSDP2, resume --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_distributed_demo_under_torchrun_writes_one_log_and_one_checkpoint_and_learns(tmp_path):
     # 50 steps: correctness rose by +0.23, +0.33, +0.47 for seeds 42, 1, 2 (measured 2026-11-23); at 30 steps the
     # gain still ranged from +0.05 to +0.34 over seeds, too early for a threshold that holds under any sampler.
@@ -146,19 +147,12 @@ def test_distributed_demo_under_torchrun_writes_one_log_and_one_checkpoint_and_l
     assert after - before >= 0.10, (before, after)
 
 
+@pytest.mark.slow
 def test_distributed_fsdp_demo_runs_5_steps_under_gloo_and_saves_whole_weights(tmp_path):
     # 4 and 3 questions per rank: rank 1 joins a generate call it drops
     out = torchrun(
         tmp_path / "run",
-        "--fsdp",
-        "--steps",
-        "5",
-        "--eval-every",
-        "5",
-        "--eval-limit",
-        "7",
-        "--eval-batch-size",
-        "2",
+        *"--fsdp --steps 5 --eval-every 5 --eval-limit 7 --eval-batch-size 2".split(),
     )
     assert out.count("step 5/5") == 1 and "eval @ step 5" in out
     saved = AutoModelForCausalLM.from_pretrained(
@@ -171,6 +165,7 @@ def test_distributed_fsdp_demo_runs_5_steps_under_gloo_and_saves_whole_weights(t
     assert all(torch.isfinite(v).all() for v in saved.values())
 
 
+@pytest.mark.slow
 def test_distributed_resume_under_torchrun_is_exact(tmp_path):
     argv = ["--steps", "3", "--eval-every", "-1", "--save-every", "1", "--lr-scheduler", "constant"]
     torchrun(tmp_path / "straight", *argv)
@@ -183,7 +178,7 @@ def torchrun_stopped(out_dir, argv, send):
     """train.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged. Returns its output."""
     proc = subprocess.Popen(
         torchrun_command(out_dir, *argv),
-        cwd=HERE,
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -197,6 +192,7 @@ def torchrun_stopped(out_dir, argv, send):
     return proc.communicate(timeout=300)[0]
 
 
+@pytest.mark.slow
 def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_step_and_resume_exactly(
     tmp_path,
 ):
@@ -205,14 +201,7 @@ def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_st
     SIGTERM to torchrun alone is forwarded the same way. Either way every rank finishes the same step, they save it
     together, and --resume continues to the weights and metrics of a run never stopped."""
     argv = ["--steps", "8", "--eval-every", "-1", "--save-every", "0", "--lr-scheduler", "constant"]
-    argv += [
-        "--demo-warmup-steps",
-        "0",
-        "--reward-fn",
-        "conftest:varied_reward",
-        "--num-iterations",
-        "2",
-    ]
+    argv += "--demo-warmup-steps 0 --reward-fn helpers:varied_reward --num-iterations 2".split()
     torchrun(tmp_path / "straight", *argv)
     for name, send in [
         ("ctrl-c", lambda proc: os.killpg(proc.pid, signal.SIGINT)),
@@ -230,6 +219,7 @@ def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_st
         assert_same_run(tmp_path / "straight", tmp_path / name)
 
 
+@pytest.mark.slow
 def test_distributed_a_reward_error_on_one_rank_stops_every_rank_and_they_save_together(tmp_path):
     """Rank 1's reward function raises in step 3. Before, rank 1 exited alone, rank 0 waited in the next collective
     until torchrun killed it, and steps since the last checkpoint were lost. Now both ranks stop after scoring, save
@@ -248,7 +238,7 @@ def test_distributed_a_reward_error_on_one_rank_stops_every_rank_and_they_save_t
     env = dict(torchrun_env(), PYTHONPATH=str(tmp_path))
     result = subprocess.run(
         torchrun_command(tmp_path / "run", *argv),
-        cwd=HERE,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         env=env,

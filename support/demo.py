@@ -1,4 +1,4 @@
-"""The offline demo, and the tiny models built in code that the demo, the tests and bench.py share.
+"""The offline demo, and the tiny models built in code that the demo, the tests and scripts/bench.py share.
 
     python train.py --demo        # a 2-layer Llama learns single-digit addition from the reward alone, on CPU
 

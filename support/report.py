@@ -3,7 +3,7 @@ read back here), with --report-to the same rows and sampled completions in Tenso
 here), the closing before/after table, and the training curves drawn from them, OUTPUT_DIR/curves.png.
 matplotlib is optional; without it, one line says how to get the plot.
 
-    python report.py OUTPUT_DIR          # the same as: python train.py --plot OUTPUT_DIR
+    python train.py --plot OUTPUT_DIR    # draws OUTPUT_DIR/curves.png again, from its metrics.jsonl
 
 Four panels by step: the mean reward of each reward function (the evaluations on held-out questions as large
 markers), the KL to the reference, the completion length, and the fraction of groups whose rewards were all equal
@@ -16,9 +16,8 @@ import sys
 
 import numpy as np
 
-import distributed
-import trackers
-from errors import UserError
+from support import distributed, trackers
+from support.errors import UserError
 
 
 class WriteFailed(UserError):
@@ -131,7 +130,7 @@ def curves(output_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         print(
-            f"no plot: matplotlib is not installed (pip install matplotlib, then python report.py {output_dir})"
+            f"no plot: matplotlib is not installed (pip install matplotlib, then python train.py --plot {output_dir})"
         )
         return None
     if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
@@ -204,21 +203,12 @@ def curves(output_dir):
     except OSError as e:
         raise WriteFailed(
             f"could not write {path}: {failure(e)}. The run itself is saved; free space, then "
-            f"python report.py {output_dir} draws it again."
+            f"python train.py --plot {output_dir} draws it again."
         ) from None
     finally:
         plt.close(fig)
     print(f"curves: {path}")
     return path
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python report.py OUTPUT_DIR")
-    try:
-        curves(sys.argv[1])
-    except UserError as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -11,22 +11,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, get_scheduler
 
-import checkpoint
 import config
-import decode
-import demo
 import grpo
-import models
 import sampling
 import train
-from conftest import (
+from data import batch_at
+from helpers import (
     assert_same_run,
     read_metrics,
     run_tiny,
     tiny_argv,
     without_time,
 )
-from data import batch_at
+from support import checkpoint, decode, demo, models
 
 
 def half_truncated(real_generate):
@@ -50,6 +47,7 @@ def odd_answers_spread(completions, answers):
 # --- algorithm options: overlong handling, dynamic sampling, beams ----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", [False, True], ids=["default", "mask-truncated"])
 def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fraction(
     tmp_path, monkeypatch, flag
@@ -68,6 +66,7 @@ def test_mask_truncated_gives_completions_without_eos_no_loss_and_logs_the_fract
     assert tokens[::2].tolist() == [3] * 8 and tokens[1::2].tolist() == [0 if flag else 6] * 8
 
 
+@pytest.mark.slow
 def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path, monkeypatch):
     real_generate = decode.generate
     monkeypatch.setattr(
@@ -81,18 +80,14 @@ def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path
     assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
 
 
+@pytest.mark.slow
 def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
     # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so its mean is
     # -(mean length)/6; float32 means: 1e-6.
     train.main(
         tiny_argv(
             tmp_path / "run",
-            "--reward-fn",
-            "format",
-            "--overlong-buffer",
-            "6",
-            "--reward-weights",
-            "1.0,0.5",
+            *"--reward-fn format --overlong-buffer 6 --reward-weights 1.0,0.5".split(),
         )
     )
     (row,) = read_metrics(tmp_path / "run")
@@ -105,17 +100,13 @@ def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_coun
             config.parse_args(
                 tiny_argv(
                     tmp_path / "x",
-                    "--reward-fn",
-                    "format",
-                    "--overlong-buffer",
-                    "6",
-                    "--reward-weights",
-                    "1.0",
+                    *"--reward-fn format --overlong-buffer 6 --reward-weights 1.0".split(),
                 )
             )
         )
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_until_the_batch_is_full(
     tmp_path,
 ):
@@ -136,14 +127,11 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_unti
     assert row["reward"] == 1.5 and row["skipped_no_spread"] == 0  # kept: 0, 1, 2, 3 in each group
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_no_spread_anywhere_skips_the_update_and_says_so(tmp_path, capsys):
     run_tiny(
         tmp_path / "run",
-        "--dynamic-sampling",
-        "--max-resample",
-        "2",
-        "--seed",
-        "42",
+        *"--dynamic-sampling --max-resample 2 --seed 42".split(),
         reward=lambda c, a: [1.0] * len(c),
     )
     (row,) = read_metrics(tmp_path / "run")
@@ -156,18 +144,9 @@ def test_dynamic_sampling_with_no_spread_anywhere_skips_the_update_and_says_so(t
     assert all(torch.equal(after[k], v) for k, v in initial.state_dict().items())
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_resumes_exactly(tmp_path):
-    argv = [
-        "--dynamic-sampling",
-        "--steps",
-        "3",
-        "--seed",
-        "3",
-        "--save-every",
-        "1",
-        "--lr-scheduler",
-        "constant",
-    ]
+    argv = "--dynamic-sampling --steps 3 --seed 3 --save-every 1 --lr-scheduler constant".split()
     run_tiny(tmp_path / "straight", *argv, reward=odd_answers_spread)
     # the later --steps wins
     run_tiny(tmp_path / "resumed", *argv, "--steps", "1", reward=odd_answers_spread)
@@ -177,6 +156,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path):
     from transformers import GenerationConfig
 
@@ -214,6 +194,7 @@ def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path
 # --- LoRA (peft, optional: these tests skip only where peft is not installed) ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,v_proj,lm_head"])
 def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_saves_a_merged_model(
     tmp_path, monkeypatch, targets
@@ -234,13 +215,7 @@ def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_sa
     monkeypatch.setattr(sampling, "_LinearLogprobs", Counting)
     run_tiny(
         tmp_path / "run",
-        "--lora-rank",
-        "4",
-        "--steps",
-        "2",
-        "--seed",
-        "42",
-        "--lora-target-modules",
+        *"--lora-rank 4 --steps 2 --seed 42 --lora-target-modules".split(),
         targets,
     )
     # no second copy
@@ -267,20 +242,10 @@ def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_sa
     torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_periodic_checkpoints_hold_the_adapter_and_resume_exactly(tmp_path, monkeypatch):
     pytest.importorskip("peft")
-    argv = [
-        "--lora-rank",
-        "4",
-        "--steps",
-        "3",
-        "--save-every",
-        "1",
-        "--lr-scheduler",
-        "constant",
-        "--seed",
-        "42",
-    ]
+    argv = "--lora-rank 4 --steps 3 --save-every 1 --lr-scheduler constant --seed 42".split()
     saves, real_save = [], checkpoint.save
     monkeypatch.setattr(
         checkpoint, "save", lambda *a, **k: saves.append(k["merge"]) or real_save(*a, **k)

@@ -23,9 +23,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import distributed
-import report
-from errors import UserError
+from support import distributed, report
+from support.errors import UserError
 
 
 def policy_loaded_from_checkpoint(args, resume_dir):

@@ -1,6 +1,6 @@
 """Tests in the precision a GPU run uses: bf16 and fp16 autocast over fp32 master weights, on CPU.
 
-Run: python -m pytest -q test_precision.py
+Run: python -m pytest -q tests/test_precision.py
 CPU autocast supports both dtypes, so every path that runs on a GPU runs here too: the lean decode (eager and
 compiled), generate() and beam search, evaluation, training steps (μ = 1 and 2, β > 0 and β = 0, LoRA, gradient
 checkpointing, a reward model, torchrun with gloo), the reference model and the KV cache. Each is compared with fp32.
@@ -12,23 +12,16 @@ depend on the precision at all: their rewards must be equal.
 """
 
 import copy
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import checkpoint  # noqa: E402
-import config  # noqa: E402
-import decode  # noqa: E402
-import demo  # noqa: E402
-import grpo  # noqa: E402
-import models  # noqa: E402
-import rewards  # noqa: E402
-import sampling  # noqa: E402
-import train  # noqa: E402
-from conftest import (  # noqa: E402
+import config
+import grpo
+import rewards
+import sampling
+import train
+from helpers import (
     decode_with_drawn_logprobs,
     read_metrics,
     run_tiny,
@@ -36,6 +29,12 @@ from conftest import (  # noqa: E402
     tiny_reward_model_dir,
     tiny_rollouts,
     torchrun,
+)
+from support import (
+    checkpoint,
+    decode,
+    demo,
+    models,
 )
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +64,7 @@ def correctness(task, rollouts):
 # --- generation ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("path", ["decode", "compiled", "generate", "beams"])
 def test_greedy_completions_under_autocast_get_the_fp32_rewards(
@@ -127,6 +127,7 @@ def test_the_kv_cache_is_held_in_the_compute_dtype():
 # --- the compiled decode: bounded shapes, weights already in the compute dtype ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DYNAMO, reason="torch.compile is unavailable on this Python")
 def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_decode(sure_model):
     # The twin holds each Linear weight as autocast would cast it; everything else is the model's own tensor. So
@@ -163,6 +164,7 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
     assert torch.equal(twin.lm_head.weight, model.lm_head.weight.detach().bfloat16())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DYNAMO, reason="torch.compile is unavailable on this Python")
 def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_one_cache_each(
     tmp_path, monkeypatch
@@ -182,20 +184,8 @@ def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_on
     monkeypatch.setattr(torch, "compile", counting)
     run_tiny(
         tmp_path,
-        "--steps",
-        "3",
-        "--compile",
-        "aot_eager",
-        "--dtype",
-        "bf16",
-        "--eval-every",
-        "2",
-        "--eval-limit",
-        "7",
-        "--eval-batch-size",
-        "3",
-        "--eval-samples",
-        "2",
+        *"--steps 3 --compile aot_eager --dtype bf16 --eval-every 2 --eval-limit 7".split(),
+        *"--eval-batch-size 3 --eval-samples 2".split(),
     )
     (compiled,) = [c for c in decode.COMPILED.values() if c.rows == (6, 16)]
     assert sorted(compiled.caches) == [
@@ -312,6 +302,7 @@ def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_i
 # --- the loop end to end under autocast -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize(
     "flags",
@@ -341,6 +332,7 @@ def test_the_loop_runs_under_autocast_with_finite_metrics_and_changes_the_weight
     assert "eval/correctness" in rows[-1]
 
 
+@pytest.mark.slow
 def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
     path = tiny_reward_model_dir(tmp_path)
     args = config.parse_args(
@@ -361,6 +353,7 @@ def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
     assert row["rewards/tiny-rm_std"] > 0 and torch.isfinite(torch.tensor(row["loss"]))
 
 
+@pytest.mark.slow
 def test_one_torchrun_step_under_bf16_with_gloo(tmp_path):
     out = torchrun(
         tmp_path / "run", "--device", "cpu", "--dtype", "bf16", "--steps", "2", "--eval-every", "-1"
@@ -393,6 +386,7 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     assert optimizer.state  # the update happened: AdamW has its moments
 
 
+@pytest.mark.slow
 def test_training_state_loads_onto_the_cpu(tmp_path, monkeypatch):
     # Under torchrun every rank would otherwise load rank 0's AdamW moments onto GPU 0.
     run_tiny(tmp_path, "--steps", "1")

@@ -3,7 +3,6 @@ answer of the real GSM8K (where it is found beside the repository), your own rew
 reward models (--reward-model). Logged rewards are float32 means: sums of them are compared at 1e-6.
 """
 
-import os
 import random
 import re
 import sys
@@ -14,19 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
 import config
 import data
 import rewards
 import train
-from conftest import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from data import batch_at, load_gsm8k
+from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
-
-# The real GSM8K files, shared beside the repository and not copied into it.
-GSM8K_DIR = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "gsm8k"
-)
+from scripts import bench
+from support import checkpoint
 
 
 def check_all_rewards(completions: list[str]) -> None:
@@ -262,10 +257,7 @@ def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
         "1",
         "42",
         "9" * 60,
-        "-",
-        "$",
-        ",",
-        ".",
+        *"- $ , .".split(),
         " ",
         "\n",
         "\x00",
@@ -281,11 +273,14 @@ def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
 # --- the real data ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not os.path.isdir(GSM8K_DIR), reason=f"GSM8K not found at {GSM8K_DIR}")
+@pytest.mark.skipif(
+    bench.gsm8k_file("train") is None,
+    reason=f"the real GSM8K is not here: set {bench.GSM8K_ENV} to a directory holding train.jsonl and test.jsonl",
+)
 def test_real_gsm8k_every_gold_answer_scores_1_and_gold_plus_1_scores_0():
     rows = []
     for split, count in (("train", 7473), ("test", 1319)):
-        split_rows = load_gsm8k(path=os.path.join(GSM8K_DIR, f"{split}.jsonl"))
+        split_rows = load_gsm8k(path=bench.gsm8k_file(split))
         assert len(split_rows) == count
         rows += split_rows
     answers = [row["answer"] for row in rows]
@@ -301,6 +296,7 @@ def test_real_gsm8k_every_gold_answer_scores_1_and_gold_plus_1_scores_0():
 # --- your own reward functions: --reward-fn, names, weights, the arguments they declare -------------------------------
 
 
+@pytest.mark.slow
 def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monkeypatch):
     """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
     --reward-fn my_rewards:exact --reward-weights 1.0 (in process, from the directory holding my_rewards.py)."""
@@ -316,12 +312,8 @@ def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monk
     train.main(
         own_task_argv(
             tmp_path,
-            "--reward-fn",
-            "my_rewards_exact:exact",
-            "--reward-fn",
-            "my_rewards_exact:lengthy",
-            "--reward-weights",
-            "1.0,0.25",
+            *"--reward-fn my_rewards_exact:exact --reward-fn my_rewards_exact:lengthy".split(),
+            *"--reward-weights 1.0,0.25".split(),
         )
     )
     (row,) = read_metrics(tmp_path / "run")
@@ -337,6 +329,7 @@ def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monk
     assert row["rewards/lengthy"] > 0  # 1 to 4 words per completion
 
 
+@pytest.mark.slow
 def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given(tmp_path):
     train.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
     (row,) = read_metrics(tmp_path / "run")
@@ -624,6 +617,7 @@ def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on
     assert {p.dtype for p in params} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_the_functions(
     tmp_path,
 ):
@@ -631,12 +625,9 @@ def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_th
     train.main(
         own_task_argv(
             tmp_path,
-            "--reward-fn",
-            "correctness",
-            "--reward-model",
+            *"--reward-fn correctness --reward-model".split(),
             path,
-            "--reward-weights",
-            "1.0,0.5",
+            *"--reward-weights 1.0,0.5".split(),
         )
     )
     (row,) = read_metrics(tmp_path / "run")

@@ -1,0 +1,110 @@
+"""The shape of the code, as the README promises it: its equation map points at lines of grpo.py, grpo.py imports
+torch alone, and train() is labelled with Algorithm 1's lines in order. Files are read relative to the repository
+root (helpers.ROOT).
+"""
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+
+def source(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_readme_equation_map_points_at_lines_of_grpo_py():
+    readme, code = source("README.md"), source("grpo.py")
+    # The table after the section's first paragraph.
+    table = readme.split("## Equation to code")[1].split("\n\n")[2]
+    strings = [row.rsplit("|", 2)[1].strip().strip("`") for row in table.splitlines()[2:]]
+    assert len(strings) == 15 and all(strings)
+    assert [s for s in strings if s not in code] == []
+
+
+def test_grpo_py_depends_on_torch_alone():
+    tree = ast.parse(source("grpo.py"))
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
+    assert imported == {"torch"}
+    internals = ["lm_head", "past_key_values", "logits_to_keep", "generation_config", "model.model"]
+    assert [name for name in internals if name in source("grpo.py")] == []
+
+
+def test_train_reads_as_algorithm_1_every_numbered_line_in_order():
+    # DeepSeekMath's Algorithm 1, lines 1 and 3 to 11, each labelled in train() where it happens, in the paper's
+    # order (line 2, the outer loop, and line 12, the reward model's update, have no code: one outer iteration).
+    tree = ast.parse(source("train.py"))
+    (train,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
+    body = source("train.py").splitlines()[train.lineno - 1 : train.end_lineno]
+    labels = [
+        int(m)
+        for line in body
+        for m in re.findall(r"# (\d+): ", line) + re.findall(r"; (\d+): ", line)
+    ]
+    assert labels == [1, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_readme_file_tree_names_every_file_and_folder_at_the_root_and_nothing_else():
+    # The tree in the README's "The files" section: one entry per root .py file and per folder of code or docs.
+    tree = source("README.md").split("## The files")[1].split("```")[1]
+    named = {line.split()[0] for line in tree.strip().splitlines() if not line.startswith(" ")}
+    at_root = {
+        name + ("/" if os.path.isdir(os.path.join(ROOT, name)) else "")
+        for name in os.listdir(ROOT)
+        if name.endswith(".py") or name in ("support", "scripts", "tests", "docs")
+    }
+    assert named == at_root
+
+
+def test_the_root_holds_at_most_10_python_files_and_every_other_test_is_in_tests():
+    root_py = sorted(name for name in os.listdir(ROOT) if name.endswith(".py"))
+    assert len(root_py) <= 10 and [n for n in root_py if n.startswith("test_")] == ["test_grpo.py"]
+
+
+@pytest.mark.slow
+def test_grpo_py_and_test_grpo_py_copied_alone_into_an_empty_directory_pass(tmp_path):
+    # The pair people copy: test_grpo.py needs grpo.py, torch and pytest, nothing of this repository.
+    for name in ("grpo.py", "test_grpo.py"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_grpo.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    defined = len(re.findall(r"^def test_", source("test_grpo.py"), re.M))
+    assert passed and int(passed.group(1)) >= defined > 30 and "skipped" not in done.stdout
+
+
+def test_readme_algorithm_1_map_names_code_that_exists():
+    # Each `name` in the map's second column: a loop header of train(), a function of train.py, or module.function.
+    table = source("README.md").split("## Algorithm 1 to code")[1].split("\n\n")[2]
+    names = [
+        n for row in table.splitlines()[2:] for n in re.findall(r"`([^`]+)`", row.split(" | ")[1])
+    ]
+    assert len(names) == 9
+    for name in names:
+        if name.startswith("for "):
+            assert name in source("train.py"), name
+        else:
+            module, _, function = name.rpartition(".")
+            assert f"\ndef {function}(" in source(f"{module or 'train'}.py"), name
