@@ -1,17 +1,19 @@
 """Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table last.
+Run from the repository root:
 
-    python -m scripts.bench                                # --logprobs, then --step --config tiny: a few minutes on 2 cores
-    python -m scripts.bench --logprobs                     # a. sampling.token_logprobs vs log_softmax(logits / T).gather
-    python -m scripts.bench --step --config 100m           # b. one GRPO step, phase by phase: tiny | 100m | smollm2-1.7b
-    BENCH_PYTHON=/path/to/benchvenv/bin/python python -m scripts.bench --vs-trl --config tiny   # c. the same step in TRL
-    ... --vs-trl --config 100m --rounds 5 --real-length   # completions end at lengths uniform in [max_new/8, max_new]
-    python -m scripts.bench --rollout /path/to/model --batch-size 2 --max-new-tokens 200   # d. tokens/s of a real rollout
-    BENCH_PYTHON=/path/to/benchvenv/bin/python python -m scripts.bench --parity   # e. our loss and gradients = TRL's, 57 cases
+    python -m scripts.bench                     # --logprobs, then --step --config tiny: minutes on 2 cores
+    python -m scripts.bench --logprobs          # a. sampling.token_logprobs vs log_softmax(logits / T).gather
+    python -m scripts.bench --step --config 100m   # b. one GRPO step by phase: tiny | 100m | smollm2-1.7b
+    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --vs-trl --config tiny   # c. the step in TRL
+    ... --vs-trl --config 100m --rounds 5 --real-length   # completions end at lengths uniform in [max/8, max]
+    python -m scripts.bench --rollout DIR --batch-size 2 --max-new-tokens 200   # d. a real rollout's tokens/s
+    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --parity   # e. our loss and gradients = TRL's
 
 --vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned versions, in a venv:
     python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
-Every measurement runs in a fresh subprocess (`python -m scripts.bench --worker ...`), so one variant's memory never counts against
-another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing is downloaded.
+Every measurement runs in a fresh subprocess (`python -m scripts.bench --worker ...`), so one variant's memory
+never counts against another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing
+is downloaded (but --rollout's GSM8K questions: $GRPO_GSM8K_DIR/test.jsonl, else data.load_gsm8k's download).
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine without network.
 
-    python -m scripts.gpu_check --prepare /path/to/SmolLM2-135M-Instruct   # here, once: writes gpu_kit/ (a few MiB)
-    python -m scripts.gpu_check --out $OUT/gpu_check.json                  # on the GPU machine, from the checkout root
-    python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags go after --
-    python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test of this file
+    python -m scripts.gpu_check --prepare DIR    # here, once, DIR a SmolLM2 model: writes gpu_kit/ (a few MiB)
+    python -m scripts.gpu_check --out $OUT/gpu_check.json      # on the GPU machine, from the checkout root
+    python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags after --
+    python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test
 
 The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not depend on the weights,
 and none can be downloaded there) and runs train.py's own loop with its default flags (G = 8, 4 prompts per step,

@@ -42,6 +42,25 @@ FAULT_ARGV = [
 ]
 
 
+# The interrupted runs' environment: GRPO_SAVE_PAUSE widens the moments inside a save (a step and its save: ~0.5 s).
+FAULT_ENV = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """straight_run(steps): the output directory of FAULT_ARGV run uninterrupted for `steps` steps, run once per
+    step count for all the tests here that compare an interrupted run against it."""
+    runs = {}
+
+    def straight(steps):
+        if steps not in runs:
+            runs[steps] = tmp_path_factory.mktemp("straight") / "run"
+            assert train_subprocess(runs[steps], FAULT_ENV, steps) == 0
+        return runs[steps]
+
+    return straight
+
+
 def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL):
     """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint, else --overwrite: a
     kill before the first save may leave metrics rows). kill_after: send it `signum` (SIGKILL unless told) that many
@@ -247,47 +266,48 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(tmp_path):
+def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(
+    tmp_path, straight_run
+):
     """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
     anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
-    # a step and its save: about 0.5 s
-    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
+    env = FAULT_ENV
     rng, kills = (
         random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))),
         int(os.environ.get("GRPO_KILLS", "3")),
     )
     # each kill comes within 1.5 s (at most 3 steps) of its process starting to train
     steps = 4 * kills
-    assert train_subprocess(tmp_path / "straight", env, steps) == 0
+    straight_dir = straight_run(steps)
     codes = [
         train_subprocess(tmp_path / "killed", env, steps, kill_after=rng.uniform(0.1, 1.5))
         for _ in range(kills)
     ]
     assert codes == [-9] * kills  # each one really was killed, before the run could finish
     assert train_subprocess(tmp_path / "killed", env, steps) == 0  # the last resume runs to the end
-    straight, killed = tmp_path / "straight" / "checkpoint", tmp_path / "killed" / "checkpoint"
+    straight, killed = straight_dir / "checkpoint", tmp_path / "killed" / "checkpoint"
     assert (killed / "model.safetensors").read_bytes() == (
         straight / "model.safetensors"
     ).read_bytes()
     assert without_time(read_metrics(tmp_path / "killed")) == without_time(
-        read_metrics(tmp_path / "straight")
+        read_metrics(straight_dir)
     )
     assert checkpoint.load_state(str(killed))["step"] == steps
 
 
 @pytest.mark.slow
 def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_bit_identically(
-    tmp_path,
+    tmp_path, straight_run
 ):
     """Ctrl-C and a scheduler's SIGTERM or SIGHUP, at random moments of a μ = 2 run (inside a step between its two
     updates, inside a save, in an evaluation): the step under way finishes and is saved, the process exits with
     128 + the signal's number, and --resume continues to the same weights and metrics as a run never stopped.
     Before, an interrupt between the μ updates saved the step as done with half its updates."""
-    env = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
+    env = FAULT_ENV
     rng = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0")))
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     steps = 4 * len(signals)
-    assert train_subprocess(tmp_path / "straight", env, steps) == 0
+    straight_dir = straight_run(steps)
     codes = [
         train_subprocess(tmp_path / "stopped", env, steps, rng.uniform(0.1, 1.5), signum)
         for signum in signals
@@ -296,12 +316,12 @@ def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_b
     log = open(f"{tmp_path / 'stopped'}.log").read()
     assert "Traceback" not in log
     assert train_subprocess(tmp_path / "stopped", env, steps) == 0
-    straight, stopped = tmp_path / "straight" / "checkpoint", tmp_path / "stopped" / "checkpoint"
+    straight, stopped = straight_dir / "checkpoint", tmp_path / "stopped" / "checkpoint"
     assert (stopped / "model.safetensors").read_bytes() == (
         straight / "model.safetensors"
     ).read_bytes()
     assert without_time(read_metrics(tmp_path / "stopped")) == without_time(
-        read_metrics(tmp_path / "straight")
+        read_metrics(straight_dir)
     )
 
 
