@@ -557,10 +557,10 @@ def print_run(report):
     )
     print("  (step 0: before training; evaluation and checkpoint count at the step they follow)")
     mem = report["memory"]
-    # bench.py --memory's arithmetic against the measured peaks, above the baseline
+    # scripts/bench.py --memory's arithmetic against the measured peaks, above the baseline
     if mem.get("model"):
         print(
-            f"  memory above the {gib(mem['baseline_bytes'])} in use before the model, against bench.py --memory:"
+            f"  memory above the {gib(mem['baseline_bytes'])} in use before the model, against scripts.bench --memory:"
         )
         for name, predicted in mem["model"].items():
             measured = phases[name]["peak_bytes"]
