@@ -1,18 +1,18 @@
 """Tasks for GRPO: what a run learns from (rows, a prompt template, reward functions), and GSM8K.
 
-GSM8K (Cobbe et al. 2021, arXiv 2110.14168) is 7,473 train and 1,319 test grade-school word problems.
-Each JSONL row is {"question": ..., "answer": "<worked solution>\\n#### <final number>"}; the data
-lives in the openai/grade-school-math GitHub repository (MIT license). --data and --eval-data also
-take a Hugging Face dataset (the Hub's openai/gsm8k, a save_to_disk directory, Parquet files...):
-see parse_source; its rows are built and checked as JSONL rows are.
+GSM8K (Cobbe et al. 2021, arXiv 2110.14168) is 7,473 train and 1,319 test grade-school word
+problems. Each JSONL row is {"question": ..., "answer": "<worked solution>\\n#### <final number>"};
+the data lives in the openai/grade-school-math GitHub repository (MIT license). --data and
+--eval-data also take a Hugging Face dataset (the Hub's openai/gsm8k, a save_to_disk directory,
+Parquet files...), read by support/hf_datasets.py; its rows are built and checked as JSONL rows are.
 
-How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed, s), a pure
-function of the step, so a resumed run continues with exactly the batches it would have seen (no iterator
-state to save); each row's prompt (a GSM8K question) goes through task.template, and its answer (the reference number) is
-repeated G times beside the G completions that the reward functions score.
+How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed,
+s), a pure function of the step, so a resumed run continues with exactly the batches it would have
+seen (no iterator state to save); each row's prompt (a GSM8K question) goes through
+task.template, and its answer (the reference number) is repeated G times beside the G completions
+that the reward functions score.
 """
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import rewards
+from support import hf_datasets
 from support.errors import UserError
 
 
@@ -34,8 +35,8 @@ from support.errors import UserError
 class Task:
     """What train() learns from. The demo, GSM8K and your own task enter the same way."""
 
-    # Rows {"prompt": the row's own text (a GSM8K question, your task's --prompt-field), "answer": the reference
-    # the reward functions compare with, and optionally "fields": {the row's other fields}}.
+    # Rows {"prompt": the row's own text (a GSM8K question, your task's --prompt-field), "answer":
+    # the reference the reward functions compare with, and optionally "fields": {its other fields}}.
     train: list
     # Held-out rows of the same form ([] when evaluation is off).
     eval: list
@@ -49,12 +50,13 @@ class Task:
     extract_answer: Callable | None = None
 
     def prompt(self, tokenizer, text):
-        """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then the response
-        prefix."""
+        """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then
+        the response prefix."""
         return self.template(tokenizer, text) + self.response_prefix
 
     def responses(self, completions):
-        """What the reward functions score: the response prefix, then each completion (so a prefixed tag counts)."""
+        """What the reward functions score: the response prefix, then each completion (so a prefixed
+        tag counts)."""
         return [self.response_prefix + c for c in completions]
 
     @functools.cached_property
@@ -63,10 +65,11 @@ class Task:
         return field_names(self.train + self.eval)
 
     def score(self, rows, completions, G=1, lengths=None):
-        """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G first, as
-        sampled) and each function's {name: [N]}. The functions see the responses (prefix + completion) and each
-        row's answer, and, when they declare them, its prompt (`prompts`) and its other fields, G times each, and
-        each completion's token count (`completion_lengths`, from `lengths` [N])."""
+        """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G
+        first, as sampled) and each function's {name: [N]}. The functions see the responses (prefix
+        + completion) and each row's answer, and, when they declare them, its prompt (`prompts`) and
+        its other fields, G times each, and each completion's token count (`completion_lengths`,
+        from `lengths` [N])."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
@@ -88,12 +91,12 @@ def field_names(rows):
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "grpo", "gsm8k")
 
-# The reference answer after "####" once commas are removed: an integer or a decimal, maybe negative.
+# The reference answer after "####", commas removed: an integer or a decimal, maybe negative.
 _GOLD = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 
 def _download(split: str) -> str:
-    """Return the path of the cached `{split}.jsonl`, downloading it first if it is not cached yet."""
+    """The path of the cached `{split}.jsonl`, downloaded first if it is not cached yet."""
     dest = os.path.join(CACHE_DIR, f"{split}.jsonl")
     if os.path.exists(dest):
         return dest
@@ -121,7 +124,7 @@ def _download(split: str) -> str:
 
 
 def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
-    """Load GSM8K as a list of rows {"prompt": its question, "answer": str}, where answer is the final number.
+    """GSM8K as a list of rows {"prompt": its question, "answer": str}, the answer its final number.
 
     `path` is a local JSONL file in GSM8K's format; without it the official `split` ("train" or
     "test") is downloaded into CACHE_DIR once and read from there afterwards. The answer is the text
@@ -151,8 +154,9 @@ def gsm8k_row(where, record):
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    """Your own task's rows from any JSONL file, taken as they are: {"prompt": row[prompt_field] (a string),
-    "answer": row[answer_field] (any JSON value), "fields": every other field}. Errors as in load_gsm8k."""
+    """Your own task's rows from any JSONL file, taken as they are: {"prompt": row[prompt_field] (a
+    string), "answer": row[answer_field] (any JSON value), "fields": every other field}. Errors as
+    in load_gsm8k."""
     return [
         own_row(where, record, prompt_field, answer_field) for where, record in read_jsonl(path)
     ]
@@ -184,8 +188,8 @@ def own_row(where, record, prompt_field, answer_field):
 
 
 def read_jsonl(path):
-    """(where, row) for each JSON object of a JSONL file, where = "file:line". A malformed line raises ValueError
-    naming file:line; blank lines are skipped; a file with no rows is an error too."""
+    """(where, row) for each JSON object of a JSONL file, where = "file:line". A malformed line
+    raises ValueError naming file:line; blank lines are skipped; a file with no rows is an error."""
     count = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
@@ -204,7 +208,8 @@ def read_jsonl(path):
         raise ValueError(f"{path}: no rows (empty file)")
 
 
-# Our wording of the template in Pramodith's GRPO trainer blog: the task, the two tags, then one worked example.
+# Our wording of the template in Pramodith's GRPO trainer blog: the task, the two tags, then one
+# worked example.
 SYSTEM_PROMPT = """You are a helpful assistant who solves math word problems.
 Think through the problem step by step inside <think> </think> tags.
 Then give only the final number inside <answer> </answer> tags.
@@ -218,19 +223,19 @@ Joel starts with 24 cookies. After giving 8 away he has 24 - 8 = 16. After eatin
 
 
 def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """GSM8K's prompt: the system prompt, then "Question: ...", in the tokenizer's chat format (see chat_prompt);
-    without a chat template the plain text ends with a line "Answer:" and a newline."""
+    """GSM8K's prompt: the system prompt, then "Question: ...", in the tokenizer's chat format (see
+    chat_prompt); without a chat template, the plain text ends with a line "Answer:"."""
     return chat_prompt(tokenizer, f"Question: {question}", system_prompt, plain_end="\nAnswer:\n")
 
 
 def chat_prompt(tokenizer, user: str, system_prompt: str = "", plain_end: str = "\n") -> str:
     """The text the policy continues: the system prompt (none when empty) and the user's message.
 
-    With a chat template this is `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, so
-    the text ends where the assistant's reply begins. A tokenizer without one (base models) gets
-    plain text instead: its BOS token if it has one (prompts are tokenized without special tokens, so
-    nothing else would add it), the system prompt and a blank line, the user's text, then `plain_end`,
-    so the model starts its reply on a fresh line.
+    With a chat template this is `tokenizer.apply_chat_template(..., add_generation_prompt=True)`,
+    so the text ends where the assistant's reply begins. A tokenizer without one (base models) gets
+    plain text instead: its BOS token if it has one (prompts are tokenized without special tokens,
+    so nothing else would add it), the system prompt and a blank line, the user's text, then
+    `plain_end`, so the model starts its reply on a fresh line.
     """
     # a base model: its BOS first, as its pretraining saw
     if getattr(tokenizer, "chat_template", None) is None:
@@ -242,18 +247,20 @@ def chat_prompt(tokenizer, user: str, system_prompt: str = "", plain_end: str = 
     )
 
 
-# --task addition: "What is A + B?" for two-digit A, B in [10, 49], a skill SmolLM2-135M-Instruct has but uses
-# unreliably (docs/results.md). All 820 unordered pairs {A, B} are shuffled with ADDITION_SEED: the first 200 are
-# held out (one question each, its order drawn by the same generator), the other 620 are trained on in both orders
-# (1,209 questions), so no held-out pair is trained on in either order.
+# --task addition: "What is A + B?" for two-digit A, B in [10, 49], a skill SmolLM2-135M-Instruct
+# has but uses unreliably (docs/results.md). All 820 unordered pairs {A, B} are shuffled with
+# ADDITION_SEED: the first 200 are held out (one question each, its order drawn by the same
+# generator), the other 620 are trained on in both orders (1,209 questions), so no held-out pair
+# is trained on in either order.
 ADDITION_SEED = 0
 ADDITION_RANGE = (10, 49)
 ADDITION_HELD_OUT = 200
 
 
 def addition_rows(seed=ADDITION_SEED, low=ADDITION_RANGE[0], high=ADDITION_RANGE[1], held_out=None):
-    """(train rows, held-out rows) of the addition task: {"prompt": "What is A + B?", "answer": "A+B"}, generated
-    from `seed` alone (Python's random.Random), the same on every machine and every run."""
+    """(train rows, held-out rows) of the addition task: {"prompt": "What is A + B?", "answer":
+    "A+B"}, generated from `seed` alone (Python's random.Random), the same on every machine and
+    every run."""
     held_out = ADDITION_HELD_OUT if held_out is None else held_out
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
@@ -268,8 +275,8 @@ def addition_rows(seed=ADDITION_SEED, low=ADDITION_RANGE[0], high=ADDITION_RANGE
 
 
 def addition_task():
-    """--task addition: the generated rows in the chat template with no system prompt, scored by the last number of
-    the completion (rewards.last_number_reward), whose answer is that number (maj@k)."""
+    """--task addition: the generated rows in the chat template with no system prompt, scored by the
+    completion's last number (rewards.last_number_reward), which is also its answer (maj@k)."""
     train, test = addition_rows()
     return Task(
         train=train,
@@ -281,12 +288,12 @@ def addition_task():
 
 
 def task_from_flags(args):
-    """The task that --data describes, with its default rewards (rewards.from_flags applies
+    """The task that --data describes, with its default rewards (reward_loading.from_flags applies
     --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
     with --prompt-field or --answer-field, your own rows (as they are, no system prompt unless
-    --system-prompt). --data is a JSONL file or a Hugging Face dataset (parse_source). Held-out
-    rows come from --eval-data; for GSM8K without it, from gsm8k_held_out, else the official test
-    split. --task addition: its generated rows (addition_task)."""
+    --system-prompt). --data is a JSONL file or a Hugging Face dataset (hf_datasets.parse_source).
+    Held-out rows come from --eval-data; for GSM8K without it, from gsm8k_held_out, else the
+    official test split. --task addition: its generated rows (addition_task)."""
     if args.task == "addition":
         return addition_task()
     custom = args.prompt_field is not None or args.answer_field is not None
@@ -315,7 +322,7 @@ def task_from_flags(args):
         if eval_path is None and args.data is not None:
             eval_path = gsm8k_held_out(args.data)
             # the test split of --data itself: its messages name --data
-            eval_flag = "--data" if isinstance(eval_path, Source) else "--eval-data"
+            eval_flag = "--data" if isinstance(eval_path, hf_datasets.Source) else "--eval-data"
         fields = None
         system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         prompt = functools.partial(build_prompt, system_prompt=system)
@@ -335,7 +342,7 @@ def gsm8k_held_out(data):
     splits (a Hub id, a saved DatasetDict, a folder of data files), else `test` beside --data in
     its form (test.jsonl beside a JSONL file, test.parquet beside a Parquet file, test/ beside a
     saved Dataset); None when there is none."""
-    source = parse_source(data, "--data")
+    source = hf_datasets.parse_source(data, "--data")
     if source is not None and source.has_splits:
         return dataclasses.replace(source, split=None)  # no split named: held-out rows read test
     path = os.path.abspath(data if source is None else source.location)
@@ -359,12 +366,27 @@ def row_form(fields):
 def load_rows(split, path, flag, fields=None):
     """The rows of `path` (a --data/--eval-data value, or a Source) read as GSM8K (its official
     `split` when path is None) or, with `fields` (prompt field, answer field), as your own task's.
-    A JSONL file is read by read_jsonl, a Hugging Face dataset by dataset_rows. Any problem is a
-    UserError naming the flag, and for a bad row its file:line (a dataset's: its split and row)."""
-    source = path if isinstance(path, Source) or path is None else parse_source(path, flag)
-    if source is not None:
-        return dataset_rows(source, split, flag, fields)
+    A JSONL file is read by read_jsonl, a Hugging Face dataset by hf_datasets.dataset_records, both
+    built record by record. Any problem is a UserError naming the flag, and for a bad row its
+    file:line (a dataset's: its split and row)."""
+    if isinstance(path, hf_datasets.Source) or path is None:
+        source = path
+    else:
+        source = hf_datasets.parse_source(path, flag)
     what = "your task's" if fields is not None else "the GSM8K"
+    if source is not None:
+        records = hf_datasets.dataset_records(source, split, flag, fields, row_form(fields))
+        if fields is None:
+            build = gsm8k_row
+        else:
+            build = functools.partial(own_row, prompt_field=fields[0], answer_field=fields[1])
+        try:
+            return [build(where, record) for where, record in records]
+        except ValueError as e:  # "gsm8k@train, row 12: answer has no '####' final-answer marker"
+            raise UserError(
+                f"could not load {what} {split} data: {e}. Each row of {flag} must have "
+                f"{row_form(fields)}."
+            ) from None
     form = "a JSON object with " + row_form(fields)
     if path is not None and not os.path.isfile(path):
         raise UserError(
@@ -385,255 +407,16 @@ def load_rows(split, path, flag, fields=None):
         ) from None
 
 
-# --- Hugging Face datasets: what --data and --eval-data take besides JSONL ----------------------
-#
-# SOURCE[:CONFIG][@SPLIT]: a Hub id OWNER/NAME (openai/gsm8k:main@train), a directory written by
-# save_to_disk (gsm8k@test), a folder of data files laid out as a Hub repository, or one Parquet,
-# CSV or JSON-array file. Read by the `datasets` library (an optional extra, imported only here),
-# then record by record as JSONL lines are (gsm8k_row, own_row). Without @SPLIT, --data reads the
-# train split and held-out rows the test split.
-
-# The files that datasets reads, by suffix; JSON Lines, whatever the file's name, stays ours.
-DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}
-SOURCE_SYNTAX = re.compile(r"(?P<base>[^:@]+)(?::(?P<config>[\w.-]+))?(?:@(?P<split>[\w.-]+))?")
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-@dataclass(frozen=True)
-class Source:
-    """A --data/--eval-data value that names a Hugging Face dataset (see parse_source)."""
-
-    text: str  # as given, for messages
-    # "file": Parquet, CSV or a JSON array; "saved": a saved Dataset, "saved-splits": a saved
-    # DatasetDict; "folder": a directory of data files; "hub": a Hub id
-    kind: str
-    location: str  # the path, or the Hub id
-    config: str | None = None
-    split: str | None = None  # None: the split of the rows' role (train, or test when held out)
-
-    @property
-    def has_splits(self):
-        return self.kind in ("saved-splits", "folder", "hub")
-
-    @property
-    def takes_config(self):
-        return self.kind in ("folder", "hub")
-
-    def name(self, split=None):
-        """How messages name it, or one of its splits: location[:config][@split]."""
-        config = f":{self.config}" if self.config else ""
-        return self.location + config + (f"@{split}" if split else "")
-
-
-def parse_source(text, flag):
-    """The Source that a --data/--eval-data value names; None for a JSONL file, or for a missing
-    path that is no Hub id (load_rows reads or refuses those as it always has). A value naming an
-    existing path is that path, whole; otherwise SOURCE_SYNTAX takes a config and a split off its
-    end. A config or a split that the source cannot have is a UserError."""
-    match = SOURCE_SYNTAX.fullmatch(text)
-    if os.path.exists(text) or match is None:
-        base, config, split = text, None, None
-    else:
-        base, config, split = match.group("base", "config", "split")
-    if os.path.isfile(base):
-        kind = dataset_file_kind(base)
-    elif os.path.isdir(base):
-        kind = (
-            "saved-splits"
-            if os.path.isfile(os.path.join(base, "dataset_dict.json"))
-            else "saved"
-            if os.path.isfile(os.path.join(base, "state.json"))
-            else "folder"
-        )
-    elif HUB_ID.fullmatch(base) and not base.lower().endswith((*DATASET_FILES, ".jsonl")):
-        kind = "hub"
-    else:
-        return None
-    source = Source(text, kind, base, config, split)
-    if (config and not source.takes_config) or (split and not source.has_splits):
-        what = {
-            "jsonl": "a JSONL file",
-            "file": "one file",
-            "saved": "one saved Dataset",
-            "saved-splits": "a saved DatasetDict",
-        }[kind]
-        has = "splits but no configs" if source.has_splits else "no configs or splits"
-        keep = f"@{split}" if split and source.has_splits else ""
-        raise UserError(f"{flag} {text}: {base} is {what}, with {has}: pass {flag} {base}{keep}.")
-    return None if kind == "jsonl" else source
-
-
-def dataset_file_kind(path):
-    """Which reader a file gets: "file" (datasets) for Parquet, CSV and a .json file holding one
-    JSON array; "jsonl" (read_jsonl: each value as it is, a bad line named) for any other."""
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix != ".json":
-        return "file" if suffix in DATASET_FILES else "jsonl"
-    try:
-        with open(path, "rb") as f:
-            return "file" if f.read(4096).lstrip().startswith(b"[") else "jsonl"
-    except OSError:  # read_jsonl says what is wrong
-        return "jsonl"
-
-
-def dataset_rows(source, split, flag, fields):
-    """The rows of a Hugging Face dataset: the split that source names, else the one of the rows'
-    role (`split`), checked column by column, then built record by record as JSONL rows are."""
-    dataset, name = pick_split(open_dataset(source, flag), source, split, flag)
-    check_columns(dataset, name, flag, fields)
-    if len(dataset) == 0:
-        raise UserError(f"{flag} {name}: no rows (an empty dataset).")
-    if fields is None:  # GSM8K reads two columns: convert no others
-        dataset = dataset.select_columns(["question", "answer"])
-        build = gsm8k_row
-    else:
-        build = functools.partial(own_row, prompt_field=fields[0], answer_field=fields[1])
-    try:
-        return [build(f"{name}, row {i}", record) for i, record in enumerate(dataset.to_list())]
-    except ValueError as e:  # "gsm8k@train, row 12: answer has no '####' final-answer marker"
-        what = "your task's" if fields is not None else "the GSM8K"
-        raise UserError(
-            f"could not load {what} {split} data: {e}. Each row of {flag} must have "
-            f"{row_form(fields)}."
-        ) from None
-
-
-def open_dataset(source, flag):
-    """The Dataset or DatasetDict that `source` names, loaded by the `datasets` library: a file by
-    its reader, a saved directory by load_from_disk, a folder or a Hub id by load_dataset (which
-    reuses its cache offline)."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(
-            f"{flag} {source.text} is read by the `datasets` library: pip install datasets"
-        ) from None
-    try:
-        # a local read takes a second: no progress bars; a Hub download keeps them, and its warnings
-        with quiet(datasets) if source.kind != "hub" else contextlib.nullcontext():
-            if source.kind == "file":
-                reader = DATASET_FILES[os.path.splitext(source.location)[1].lower()]
-                return getattr(datasets.Dataset, f"from_{reader}")(source.location)
-            if source.kind in ("saved", "saved-splits"):
-                return datasets.load_from_disk(source.location)
-            return datasets.load_dataset(source.location, source.config)
-    except ConnectionError as e:  # HF_HUB_OFFLINE=1, or no network, and not in the cache
-        raise UserError(offline_message(source, flag, e)) from None
-    # IndexError: datasets' own, loading a split saved with no rows
-    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:
-        why = reason(e) + (" (a split with no rows?)" if isinstance(e, IndexError) else "")
-        why += "" if why.endswith(("!", "?")) else "."
-        # a missing or unknown config: say where it goes
-        form = f" The form: {flag} {source.location}:CONFIG@SPLIT." if source.takes_config else ""
-        raise UserError(
-            f"{flag} {source.text}: could not load it as a dataset{looked_up(source)}: {why}{form}"
-        ) from None
-
-
-def pick_split(loaded, source, split, flag):
-    """(the Dataset to read, its name for messages): of a DatasetDict, the split that source names,
-    else the one named `split` (the rows' role); a single Dataset as it is."""
-    if not isinstance(loaded, dict):  # a DatasetDict is a dict of splits
-        return loaded, source.name()
-    chosen = source.split or split
-    if chosen in loaded:
-        return loaded[chosen], source.name(chosen)
-    base = source.name()
-    if source.split is not None:
-        hint = f"Name one of them: {flag} {base}@SPLIT."
-    elif flag == "--data" and split == "test":
-        hint = (
-            "Without --eval-data, GSM8K is evaluated on the 'test' split of --data: pass "
-            f"--eval-data {base}@SPLIT, or --eval-every -1 to skip evaluation."
-        )
-    else:
-        hint = f"{flag} reads its {chosen!r} split unless one is named: {flag} {base}@SPLIT."
-    splits = ", ".join(loaded)
-    raise UserError(f"{flag} {base}: no split {chosen!r} (its splits: {splits}). {hint}")
-
-
-def check_columns(dataset, name, flag, fields):
-    """A UserError naming the columns that exist, for a missing prompt or answer column, or one that
-    holds no strings where strings are needed (the prompt; GSM8K's answer too)."""
-    prompt, answer = fields or ("question", "answer")
-    if fields is None:
-        how = (
-            "Without --prompt-field/--answer-field, rows are read as GSM8K: "
-            f"{row_form(None)}; name your own columns with --prompt-field and --answer-field."
-        )
-    else:
-        how = "Name the columns with --prompt-field (one of strings) and --answer-field."
-    columns = dataset.column_names
-    for role, column in (("prompt", prompt), ("answer", answer)):
-        if column not in columns:
-            raise UserError(
-                f"{flag} {name}: no {role} column {column!r} (columns: {', '.join(columns)}). {how}"
-            )
-    for role, column in (("prompt", prompt), ("answer", answer))[: 1 if fields else 2]:
-        feature = dataset.features[column]
-        # a Value's dtype ("string", "int64"); a List's or a dict's form
-        stored = getattr(feature, "dtype", None) or repr(feature)
-        if stored not in ("string", "large_string"):
-            raise UserError(
-                f"{flag} {name}: the {role} column {column!r} holds {stored}, not strings. {how}"
-            )
-
-
-@contextlib.contextmanager
-def quiet(datasets):
-    """No progress bars, and no log lines: datasets logs a failure to read a file before raising
-    it, which the UserError then says once."""
-    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
-
-
-def reason(error):
-    """An exception and its causes on one line: datasets wraps a parser's error in its own."""
-    parts = []
-    while error is not None:
-        parts.append(" ".join(str(error).split()).rstrip(".") or type(error).__name__)
-        error = error.__cause__
-    return ": ".join(parts)
-
-
-def looked_up(source):
-    """For a Hub id, which may be a mistyped local path: it is not here, so the Hub was asked."""
-    if source.kind != "hub":
-        return ""
-    return f" ({source.location} is no file or directory here, so it was looked up on the Hub)"
-
-
-def offline_message(source, flag, error):
-    """What to pass instead of a Hub id when the Hub cannot be reached, and how to make it."""
-    local = source.location.rsplit("/", 1)[-1]
-    config = f", {source.config!r}" if source.config else ""
-    split = f"@{source.split}" if source.split else ""
-    return (
-        f"{flag} {source.text}{looked_up(source)}: could not reach the Hugging Face Hub "
-        f"({reason(error)}), and the dataset is not in the local cache. Pass a local copy "
-        "instead: a directory written by save_to_disk, or Parquet/CSV/JSONL files. To make one "
-        'on a machine with network: python -c "import datasets; datasets.load_dataset('
-        f'{source.location!r}{config}).save_to_disk({local!r})", then copy the directory '
-        f"{local} here and pass {flag} {local}{split}."
-    )
-
-
 def batch_at(rows: list, batch_size: int, seed: int, step: int, stream: int = 0) -> list:
     """The batch of rows for global training step `step`, computed from scratch (pure function).
 
     Each epoch visits the rows in a fresh random order: the permutation of epoch e comes from
     numpy's generator seeded with the pair (seed, e) (seed >= 0), so it depends on nothing but
-    seed, e and len(rows). An epoch is len(rows) // batch_size batches; the few rows left over at the end of an
-    epoch's order are skipped for that epoch (they are at a different place in the next shuffle).
-    stream k > 0: another order of the same kind, seeded with (seed, e, k): the extra prompts --dynamic-sampling
-    draws at step s in its k-th extra generate call, still a pure function of (seed, step, k).
+    seed, e and len(rows). An epoch is len(rows) // batch_size batches; the few rows left over at
+    the end of an epoch's order are skipped for that epoch (they are elsewhere in the next shuffle).
+    stream k > 0: another order of the same kind, seeded with (seed, e, k): the extra prompts
+    --dynamic-sampling draws at step s in its k-th extra generate call, still a pure function of
+    (seed, step, k).
     """
     if not 0 < batch_size <= len(rows):
         raise ValueError(

@@ -2,15 +2,18 @@
 
 Group Relative Policy Optimization, DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), eq. 3:
 
-  J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_{i,t} Â_{i,t}, clip(r_{i,t}, 1-ε, 1+ε) Â_{i,t} ) - β D_KL[π_θ || π_ref] } ]
+  J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_{i,t} Â_{i,t}, clip(r_{i,t}, 1-ε, 1+ε) Â_{i,t} )
+                                   - β D_KL[π_θ || π_ref] } ]
 
   r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | q, o_{i,<t})
-  D_KL    = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4; Schulman's k3, http://joschu.net/blog/kl-approx.html)
-  Â_{i,t} = (r_i - mean(r)) / std(r)               (outcome supervision, §4.1.2)
+  D_KL    = π_ref/π_θ - log(π_ref/π_θ) - 1   (eq. 4; Schulman's k3 estimator, his blog post
+                                            "Approximating KL Divergence", joschu.net)
+  Â_{i,t} = (r_i - mean(r)) / std(r)         (outcome supervision, §4.1.2)
 
 Shapes: N completions (= B prompts × G samples, laid out group after group), T completion tokens.
-Copy this file into your project as it is: it depends on torch alone. The log-probs it takes come from
-sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling temperature.
+Copy this file into your project as it is: it depends on torch alone. The log-probs it takes come
+from sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling
+temperature.
 """
 
 import torch
@@ -23,9 +26,10 @@ __all__ = [
     "completion_mask",
 ]
 
-# exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref): the loss would be
-# inf and the update skipped. Bounded at 20 (a ratio of 4.9e8, far beyond any clip), the loss stays finite and such
-# a token's ratio passes no gradient; every worked example lies far inside the bound.
+# exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref):
+# the loss would be inf and the update skipped. Bounded at 20 (a ratio of 4.9e8, far beyond any
+# clip), the loss stays finite and such a token's ratio passes no gradient; every worked example
+# lies far inside the bound.
 MAX_LOG_RATIO = 20.0
 
 
@@ -49,21 +53,24 @@ def grpo_loss(
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
 
     logps      [N, T] log π_θ(o_t | q, o_<t), with grad.
-    old_logps  [N, T] log π_old, or None when μ = 1 (π_old is π_θ: the ratio is exactly 1, the gradient intact).
+    old_logps  [N, T] log π_old, or None when μ = 1 (π_old is π_θ: the ratio is exactly 1, the
+               gradient intact).
     ref_logps  [N, T] log π_ref, or None (only when beta == 0; then no KL is computed at all).
-    advantages [N] (one per completion, broadcast over its tokens) or [N, T] (per token, process supervision).
+    advantages [N] (one per completion, broadcast over its tokens) or [N, T] (per token, process
+               supervision).
     mask       [N, T] 1 for completion tokens up to and including EOS, 0 after (bool or numeric).
-    epsilon_high: upper clip bound ε_high (DAPO's clip-higher, arXiv 2503.14476); defaults to epsilon.
-    loss_type: "grpo" 1/N Σ_i 1/|o_i| Σ_t (the paper) | "dapo" Σ_{i,t} / Σ_i |o_i| (token-level, arXiv 2503.14476)
-               | "dr_grpo" Σ_{i,t} / (N · max_tokens) (arXiv 2503.20783).
-    normalizer: loss_denominator of the WHOLE batch when this call sees one micro-batch of it: micro-batch
-               losses then sum exactly to the full-batch loss. Default: this batch's own.
+    epsilon_high: upper clip bound ε_high (DAPO's clip-higher, arXiv 2503.14476); default epsilon.
+    loss_type: "grpo" 1/N Σ_i 1/|o_i| Σ_t (the paper) | "dapo" Σ_{i,t} / Σ_i |o_i| (token-level,
+               arXiv 2503.14476) | "dr_grpo" Σ_{i,t} / (N · max_tokens) (arXiv 2503.20783).
+    normalizer: loss_denominator of the WHOLE batch when this call sees one micro-batch of it:
+               micro-batch losses then sum exactly to the full-batch loss. Default: this batch's.
     ratio_level: "token" (eq. 3) | "sequence" (GSPO, arXiv 2507.18071: one ratio per completion,
                exp of the mean token log-ratio).
-    delta:     dual clip (INTELLECT-2, arXiv 2505.07291), None: off. Where Â < 0, min(r Â, clip(r) Â) falls
-               without bound as r grows (r = 10, Â = -1: -10); min(r, δ) stops it at δ Â (δ > 1 + ε_high).
-    stats: optional dict, filled with detached sums over this batch's unmasked tokens:
-               "tokens", "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
+    delta:     dual clip (INTELLECT-2, arXiv 2505.07291), None: off. Where Â < 0, min(r Â,
+               clip(r) Â) falls without bound as r grows (r = 10, Â = -1: -10); min(r, δ) stops it
+               at δ Â (δ > 1 + ε_high).
+    stats: optional dict, filled with detached sums over this batch's unmasked tokens: "tokens",
+               "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
     """
     if loss_type not in ("grpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
@@ -112,11 +119,13 @@ def grpo_loss(
 
 
 def loss_denominator(mask, loss_type="grpo", max_tokens=None):
-    """What eq. 3's average divides by, for the completions of mask [N, T]: N sequences for "grpo" (each one
-    already averaged over its own tokens), Σ_i |o_i| tokens for "dapo", N · max_tokens for "dr_grpo".
+    """What eq. 3's average divides by, for the completions of mask [N, T]: N sequences for "grpo"
+    (each one already averaged over its own tokens), Σ_i |o_i| tokens for "dapo", N · max_tokens for
+    "dr_grpo".
 
     grpo_loss uses it for its own batch. With gradient accumulation, pass the WHOLE batch's to every
-    micro-batch's grpo_loss as `normalizer`: a mean per micro-batch would weigh short and long ones alike.
+    micro-batch's grpo_loss as `normalizer`: a mean per micro-batch would weigh short and long ones
+    alike.
     """
     if loss_type == "grpo":
         return mask.shape[0]
@@ -133,8 +142,8 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
     """Â_i = (r_i - mean of its group) / std, for rewards [N] laid out group after group.
 
     scale: "group" divides by the group's std (the paper, §4.1.2), "batch" by the whole batch's std,
-    "none" does not divide (Dr. GRPO, arXiv 2503.20783). std is Bessel-corrected (torch.std's default).
-    A group whose rewards are all equal gets exactly 0: it carries no learning signal.
+    "none" does not divide (Dr. GRPO, arXiv 2503.20783). std is Bessel-corrected (torch.std's
+    default). A group whose rewards are all equal gets exactly 0: it carries no learning signal.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
@@ -158,9 +167,10 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
 def process_advantages(step_rewards, step_ends, group_size, num_tokens, *, eps=1e-4):
     """Process supervision (DeepSeekMath §4.1.3): per-token advantages [N, num_tokens].
 
-    step_rewards[i]: the rewards of completion i's reasoning steps; step_ends[i]: the index of the last token
-    of each step. Rewards are normalized with the mean and std of all step rewards in the group, and token t's
-    advantage is the sum of the normalized rewards of the steps that end at or after t.
+    step_rewards[i]: the rewards of completion i's reasoning steps; step_ends[i]: the index of the
+    last token of each step. Rewards are normalized with the mean and std of all step rewards in the
+    group, and token t's advantage is the sum of the normalized rewards of the steps that end at or
+    after t.
     """
     n = len(step_rewards)
     if n != len(step_ends) or group_size < 1 or n % group_size:
@@ -189,7 +199,8 @@ def process_advantages(step_rewards, step_ends, group_size, num_tokens, *, eps=1
 
 
 def completion_mask(completion_ids, eos_token_id):
-    """[N, T] int64: 1 for each token up to and including the first EOS, 0 after it; all ones without EOS.
+    """[N, T] int64: 1 for each token up to and including the first EOS, 0 after it; all ones
+    without EOS.
 
     Built from the EOS ids, never from the pad id: many models pad with EOS, and masking "pad" would
     drop the EOS token itself from the loss, so the policy would never learn to stop.

@@ -1,10 +1,12 @@
-"""Generation and log-probs of a transformers causal LM: everything that touches the model's internals.
+"""Generation and log-probs of a transformers causal LM: everything that touches the model's
+internals.
 
 grpo.py is the math and never sees a model; this file turns a model into what the math takes:
-  sample_rollouts   Algorithm 1's line 7: B prompts -> B*G completions, as Rollouts, from the flags' settings only
-  token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with grad or without
-Those two come first. The decode engine that sample_rollouts drives (static KV cache, compiled step, sampling
-among the top-k / top-p survivors) is support/decode.py.
+  sample_rollouts   Algorithm 1's line 7: B prompts -> B*G completions, as Rollouts
+  token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with
+                    grad or without
+Those two come first. The decode engine that sample_rollouts drives (static KV cache, compiled
+step, sampling among the top-k / top-p survivors) is support/decode.py.
 """
 
 import contextlib
@@ -21,8 +23,9 @@ from support import decode
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are drawn: temperature, then top-k (0: off), then top-p (1.0: off), as transformers orders
-    them, for at most max_new_tokens tokens. Temperature 0: greedy (evaluation only; top-k and top-p unused)."""
+    """How completions are drawn: temperature, then top-k (0: off), then top-p (1.0: off), as
+    transformers orders them, for at most max_new_tokens tokens. Temperature 0: greedy
+    (evaluation only; top-k and top-p unused)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -50,7 +53,8 @@ class Sampling:
 
 @dataclass
 class Rollouts:
-    """One batch of samples: B prompts x G completions, group after group (row b*G + j is prompt b's j-th)."""
+    """One batch of samples: B prompts x G completions, group after group (row b*G + j is prompt
+    b's j-th)."""
 
     input_ids: torch.Tensor  # [B*G, P+C] left-padded prompt, then the completion as generated
     attention_mask: torch.Tensor  # [B*G, P+C] the prompt's padding mask, then completion_mask
@@ -68,19 +72,21 @@ class Rollouts:
 
     @property
     def lengths(self):
-        """[B*G] completion tokens up to and including EOS (from the attention mask: --mask-truncated leaves it)."""
+        """[B*G] completion tokens up to and including EOS (from the attention mask:
+        --mask-truncated leaves it)."""
         return self.attention_mask[:, self.prompt_length :].sum(1)
 
 
-def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None):
-    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's device."""
+def sample_rollouts(model, tokenizer, prompts, settings, group_size, autocast_dtype=None):
+    """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's
+    device."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     # [B, P]
     prompt_ids, prompt_mask = tokenize_prompts(
         tokenizer, prompts, device, prompt_limit(model, settings)
     )
-    with autocast(device, amp):
+    with autocast(device, autocast_dtype):
         completion_ids = decode.generate(
             model,
             prompt_ids,
@@ -98,7 +104,7 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None):
         sequences,
         attention_mask,
         mask,
-        decode_completions(tokenizer, completion_ids, mask),
+        completion_texts(tokenizer, completion_ids, mask),
         group_size,
         settings.temperature,
         truncated,
@@ -116,16 +122,18 @@ def token_logprobs(
     chunk_size=1024,
     entropy=False,
 ):
-    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids [N, P + C]; with
-    entropy=True also [N, C] H(π(· | q, o_<t)), the entropy of the distribution each token was drawn from (no grad).
+    """[N, C] fp32 log π(o_t | q, o_<t) of the last C = num_completion_tokens tokens of input_ids
+    [N, P + C]; with entropy=True also [N, C] H(π(· | q, o_<t)), the entropy of the distribution
+    each token was drawn from (no grad).
 
-    The logits are divided by the sampling temperature: these are the tempered softmax's probabilities (before
-    any top-k / top-p truncation, as in TRL), the distribution generation sampled from when those are off.
-    Position ids come from the attention mask, so left-padded rows see the positions generation gave them.
-    group_size=G > 1 says rows come group after group and each group's G rows share one prompt (the first
-    P columns): each prompt then runs through the model once and its KV cache is repeated G times, instead of
-    recomputing it G times; gradients flow back through the cache. Models whose cache cannot be repeated fall
-    back to the plain path. For Llama-style heads no [N, C, V] logits tensor is ever built (chunked lm-head).
+    The logits are divided by the sampling temperature: these are the tempered softmax's
+    probabilities (before any top-k / top-p truncation, as in TRL), the distribution generation
+    sampled from when those are off. Position ids come from the attention mask, so left-padded rows
+    see the positions generation gave them. group_size=G > 1 says rows come group after group and
+    each group's G rows share one prompt (the first P columns): each prompt then runs through the
+    model once and its KV cache is repeated G times, instead of recomputing it G times; gradients
+    flow back through the cache. Models whose cache cannot be repeated fall back to the plain path.
+    For Llama-style heads no [N, C, V] logits tensor is ever built (chunked lm-head).
     """
     n, length = input_ids.shape
     c = num_completion_tokens
@@ -138,8 +146,9 @@ def token_logprobs(
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [N, P + C]
     targets = input_ids[:, -c:]  # [N, C]
     p = length - c
-    # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run there.
-    # Under FSDP2 every rank must run the same forwards: the plain path (one forward) whatever its completions' length.
+    # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run
+    # there. Under FSDP2 every rank must run the same forwards: the plain path (one forward)
+    # whatever its completions' length.
     if group_size > 1 and not is_checkpointing(model) and not decode.is_sharded(model):
         # Each prompt once: [B, P]. Its last position predicts every row's first completion token.
         first, head, cache = _features(
@@ -163,7 +172,8 @@ def token_logprobs(
             if c == 1:
                 return first if entropy else first[0]
             cache.batch_repeat_interleave(group_size)  # [B, ...] -> [B*G, ...]
-            # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and each other.
+            # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and
+            # each other.
             rest, head, _ = _features(
                 model,
                 input_ids[:, p:-1],
@@ -189,8 +199,9 @@ def token_logprobs(
 
 
 def tokenize_prompts(tokenizer, prompts, device, max_length=None):
-    """Each prompt tokenized once, left-padded: ids and mask [B, P]. (Chat templates already hold any BOS.) A prompt
-    longer than max_length keeps its last max_length tokens (its end, where the reply starts), with a warning."""
+    """Each prompt tokenized once, left-padded: ids and mask [B, P]. (Chat templates already hold
+    any BOS.) A prompt longer than max_length keeps its last max_length tokens (its end, where
+    the reply starts), with a warning."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     if max_length is not None and enc["input_ids"].shape[1] > max_length:
         cut = int((enc["attention_mask"].sum(1) > max_length).sum())
@@ -206,20 +217,22 @@ def tokenize_prompts(tokenizer, prompts, device, max_length=None):
 
 
 def prompt_limit(model, settings):
-    """The most tokens a prompt keeps: --max-prompt-length, else the model's context minus max_new_tokens."""
+    """The most tokens a prompt keeps: --max-prompt-length, else the model's context minus
+    max_new_tokens."""
     context = getattr(model.config, "max_position_embeddings", None)
     return settings.max_prompt_length or (context - settings.max_new_tokens if context else None)
 
 
 def eos_token_ids(model, tokenizer):
-    """The ids generation stops at: the generation config's EOS (an int or a list), else the tokenizer's."""
+    """The ids generation stops at: the generation config's EOS (an int or a list), else the
+    tokenizer's."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def decode_completions(tokenizer, completion_ids, mask):
+def completion_texts(tokenizer, completion_ids, mask):
     """Texts for the reward functions: each completion up to its EOS, special tokens dropped."""
     lengths = mask.sum(1).tolist()
     return tokenizer.batch_decode(
@@ -246,8 +259,9 @@ def select_groups(rollouts, groups):
 
 
 def concat_rollouts(parts):
-    """One Rollouts from several (of the same G and temperature): prompts left-padded to the longest, completions
-    right-padded to the longest (padding is masked out: attention 0, completion mask 0)."""
+    """One Rollouts from several (of the same G and temperature): prompts left-padded to the
+    longest, completions right-padded to the longest (padding is masked out: attention 0,
+    completion mask 0)."""
     P = max(r.prompt_length for r in parts)
     C = max(r.completion_mask.shape[1] for r in parts)
 
@@ -279,8 +293,8 @@ def concat_rollouts(parts):
 
 
 def prepare_tokenizer(tokenizer):
-    """Left padding, so every prompt of a batch ends at the column where generation starts, and a pad token (EOS if
-    the tokenizer has none)."""
+    """Left padding, so every prompt of a batch ends at the column where generation starts, and a
+    pad token (EOS if the tokenizer has none)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -300,15 +314,17 @@ AUTOCAST_DTYPE = {
 
 
 def autocast(device, dtype):
-    """Compute in dtype (bf16/fp16) under autocast while parameters stay fp32; dtype None: full precision."""
+    """Compute in dtype (bf16/fp16) under autocast while parameters stay fp32; dtype None: full
+    precision."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def enable_gradient_checkpointing(model):
-    """Recompute activations in backward (use_reentrant=False, torch's recommended variant). Only training-mode
-    forwards recompute; generation and the no-grad log-prob passes keep their KV cache."""
+    """Recompute activations in backward (use_reentrant=False, torch's recommended variant). Only
+    training-mode forwards recompute; generation and the no-grad log-prob passes keep their KV
+    cache."""
     # transformers 5 renamed the method
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
@@ -318,7 +334,8 @@ def enable_gradient_checkpointing(model):
 
 
 def is_checkpointing(model):
-    """Whether a forward of this model recomputes activations in backward (and so runs without a KV cache)."""
+    """Whether a forward of this model recomputes activations in backward (and so runs without a
+    KV cache)."""
     flag = (
         "is_activation_checkpointing"
         if hasattr(type(model), "is_activation_checkpointing")
@@ -327,16 +344,12 @@ def is_checkpointing(model):
     return bool(getattr(model, flag, False)) and model.training
 
 
-# --compile's log-prob forwards: id(model) -> its compiled forward (the decode step's state is decode.COMPILED).
-COMPILED_FORWARD = {}
-
-
 def compile_model(model, backend="inductor"):
-    """--compile: torch.compile the forward of the log-prob passes (dynamic shapes) now, and the decode step at
-    its first call (decode.compile_decode). Weights and state dict untouched."""
+    """--compile: torch.compile the forward of the log-prob passes (dynamic shapes) now, and the
+    decode step at its first call (decode.compile_decode). Weights and state dict untouched."""
     body = model.model if _plain_linear_head(model) is not None else model
-    COMPILED_FORWARD[id(model)] = torch.compile(body, backend=backend, dynamic=True)
-    decode.compile_decode(model, backend)
+    forward = torch.compile(body, backend=backend, dynamic=True)
+    decode.compile_decode(model, backend, forward)
     return model
 
 
@@ -353,10 +366,12 @@ def _features(
     use_cache=False,
     past_key_values=None,
 ):
-    """Run the model; return (features of the last num_positions positions, plain lm-head or None, cache).
+    """Run the model; return (features of the last num_positions positions, plain lm-head or None,
+    cache).
 
-    For plain-head models the features are final hidden states [N, k, H] (the head is applied chunk by chunk
-    later); otherwise they are logits [N, k, V], asked for with logits_to_keep so no more are computed.
+    For plain-head models the features are final hidden states [N, k, H] (the head is applied chunk
+    by chunk later); otherwise they are logits [N, k, V], asked for with logits_to_keep so no more
+    are computed.
     """
     head = _plain_linear_head(model)
     kwargs = dict(
@@ -367,7 +382,7 @@ def _features(
         use_cache=use_cache,
     )
     # --compile: the same forward, compiled
-    compiled = COMPILED_FORWARD.get(id(model))
+    compiled = decode.compiled_forward(model)
     if head is not None:
         out = (model.model if compiled is None else compiled)(**kwargs)
         features = out.last_hidden_state[:, out.last_hidden_state.shape[1] - num_positions :]
@@ -378,7 +393,8 @@ def _features(
 
 
 def _logprobs(features, head, targets, temperature, chunk_size, with_entropy):
-    """([N, k] log-probs of targets [N, k], [N, k] entropies (zeros unless with_entropy)) from _features' output."""
+    """([N, k] log-probs of targets [N, k], [N, k] entropies (zeros unless with_entropy)) from
+    _features' output."""
     n, k = targets.shape
     flat = features.reshape(n * k, features.shape[-1])
     if head is not None:
@@ -392,12 +408,14 @@ def _logprobs(features, head, targets, temperature, chunk_size, with_entropy):
     return logps.view(n, k), entropy.view(n, k)
 
 
-# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping, no logit scaling, no bias.
+# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping, no logit
+# scaling, no bias.
 PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 def _plain_linear_head(model):
-    """The lm-head Linear when the model's logits are exactly hidden @ Wᵀ, else None (use the logits path)."""
+    """The lm-head Linear when the model's logits are exactly hidden @ Wᵀ, else None (use the
+    logits path)."""
     config = getattr(model, "config", None)
     head = getattr(model, "lm_head", None)
     if (
@@ -416,11 +434,13 @@ def _plain_linear_head(model):
 
 
 def _chosen_logprobs(logits, targets, temperature, chunk_size, with_entropy=True):
-    """(log softmax(logits / temperature)[target], entropy of that softmax) for logits [M, V], targets [M], chunk_size
-    rows at a time: [M] each, the entropy without grad (zeros, not computed, when with_entropy is False).
+    """(log softmax(logits / temperature)[target], entropy of that softmax) for logits [M, V],
+    targets [M], chunk_size rows at a time: [M] each, the entropy without grad (zeros, not computed,
+    when with_entropy is False).
 
-    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time, never the full
-    fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead of keeping its fp32 copy.
+    The chosen logit minus the logsumexp: only a [chunk_size, V] fp32 temporary exists at a time,
+    never the full fp32 [M, V] log-softmax. With grad, each chunk is recomputed in backward instead
+    of keeping its fp32 copy.
     """
 
     def chunk_logprobs(chunk, chunk_targets):
@@ -446,17 +466,19 @@ def _chosen_logprobs(logits, targets, temperature, chunk_size, with_entropy=True
 
 
 def _entropy(logits, lse=None):
-    """H = -Σ p log p of softmax(logits [n, V]), per row: logsumexp - Σ p · logits (lse: the rows' logsumexp)."""
+    """H = -Σ p log p of softmax(logits [n, V]), per row: logsumexp - Σ p · logits (lse: the
+    rows' logsumexp)."""
     lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
     return lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W [V, H],
-    computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits never exist. The entropy of
-    each row's softmax comes with it, from the same chunks (a second output, without grad).
-    Under autocast the matmuls run in the autocast dtype, as the model's own lm-head would, in forward and in
-    backward alike, so backward recomputes exactly the logits forward saw."""
+    """log softmax(h Wᵀ / temperature)[target] for hidden states h [M, H] and an lm-head weight W
+    [V, H], computed chunk by chunk, recomputing each chunk's logits in backward: [M, V] logits
+    never exist. The entropy of each row's softmax comes with it, from the same chunks (a second
+    output, without grad). Under autocast the matmuls run in the autocast dtype, as the model's
+    own lm-head would, in forward and in backward alike, so backward recomputes exactly the
+    logits forward saw."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy=True):
@@ -476,8 +498,9 @@ class _LinearLogprobs(torch.autograd.Function):
                 ).squeeze(-1)
                 if with_entropy:  # not for π_ref's pass, where nothing reads it
                     entropy[s : s + chunk_size] = _entropy(logits, lse[s : s + chunk_size])
-        # The last chunk's logits are kept for backward, which starts with it: a batch that fits in one chunk (a
-        # typical micro-batch) is never recomputed, at the cost of holding one [chunk, V] block until backward.
+        # The last chunk's logits are kept for backward, which starts with it: a batch that fits in
+        # one chunk (a typical micro-batch) is never recomputed, at the cost of holding one [chunk,
+        # V] block until backward.
         last = logits if h.shape[0] else None
         ctx.save_for_backward(hidden, weight, targets, lse, last)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
@@ -499,7 +522,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 logits = (
                     last if s == starts[-1] else (h[s : s + size] @ w.T).float() / ctx.temperature
                 )
-                # d logp / d logits = onehot(target) - softmax, times the incoming gradient and 1/temperature
+                # d logp / d logits = onehot(target) - softmax, times the incoming gradient and
+                # 1/temperature
                 grad_logits = -torch.exp(logits - lse[s : s + size, None])
                 grad_logits.scatter_add_(
                     -1, targets[s : s + size, None], torch.ones_like(grad_logits[:, :1])

@@ -1,10 +1,12 @@
-"""Tests: every worked example of the GRPO math in grpo.py: the surrogate, clipping, dual clip, k3, the first step,
-advantages, aggregation, GSPO, process supervision, completion_mask and degenerate inputs of the loss.
+"""Tests: every worked example of the GRPO math in grpo.py: the surrogate, clipping, dual clip, k3,
+the first step, advantages, aggregation, GSPO, process supervision, completion_mask and degenerate
+inputs of the loss.
 
-Self-contained: it needs torch, pytest and grpo.py alone, so the pair can be copied into another project and run
-there (python -m pytest -q test_grpo.py). The rest of the suite is in tests/ (python -m pytest -q runs both).
-Tolerances: values computed in fp32 from a handful of exp/log ops agree with the exact decimals to about
-1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals themselves have 6 places).
+Self-contained: it needs torch, pytest and grpo.py alone, so the pair can be copied into another
+project and run there (python -m pytest -q test_grpo.py). The rest of the suite is in tests/ (python
+-m pytest -q runs both). Tolerances: values computed in fp32 from a handful of exp/log ops agree
+with the exact decimals to about 1e-6 relative, so worked examples use abs=1e-6 (the quoted decimals
+themselves have 6 places).
 """
 
 import math
@@ -18,7 +20,8 @@ TOL = 1e-6  # see the docstring
 
 
 def one_token_objective(ratio, advantage, **kwargs):
-    """J for one completion of one token with the given ratio and advantage; returns (J, dJ/dlogπ_θ)."""
+    """J for one completion of one token with the given ratio and advantage; returns (J,
+    dJ/dlogπ_θ)."""
     logps = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 1, dtype=torch.float64)
     loss = grpo_loss(
@@ -45,7 +48,8 @@ def aggregation_batch():
 EOS, PAD = 2, 0
 
 
-# ---------------------------------------------------------------- the surrogate, no clipping in play
+# ---------------------------------------------------------------- the surrogate, no clipping in
+# play
 @pytest.mark.parametrize(
     "ratio,advantage,expected",
     [(1.2, 0.7, 0.84), (1.2, -0.7, -0.84), (0.8, 0.7, 0.56), (0.8, -0.7, -0.56)],
@@ -134,7 +138,8 @@ def test_stats_count_clipped_tokens():
 
 
 def test_stats_count_clipped_tokens_with_negative_advantage():
-    # A = -1: r = 0.7 is below 1 - ε, so the clipped term is the active one; r = 1.5 is not clipped (min picks r·A).
+    # A = -1: r = 0.7 is below 1 - ε, so the clipped term is the active one; r = 1.5 is not clipped
+    # (min picks r·A).
     stats = {}
     grpo_loss(
         torch.log(torch.tensor([[0.7, 1.5, 0.9]])),
@@ -189,7 +194,8 @@ def test_k3_is_never_negative():
     assert (k3 >= 0).all() and stats["kl"] == pytest.approx(k3.sum().item(), rel=1e-9)
 
 
-# ---------------------------------------------------------------- step 1: the policy equals the reference
+# ---------------------------------------------------------------- step 1: the policy equals the
+# reference
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5])
 def test_step_1_policy_equals_reference_so_loss_is_minus_advantage_2_and_kl_is_0(beta):
     # Before the first update π_θ = π_ref: the same log-probs, one with a gradient and one without
@@ -210,7 +216,8 @@ def test_step_1_policy_equals_reference_so_loss_is_minus_advantage_2_and_kl_is_0
     assert loss.item() == pytest.approx(-2.0, abs=TOL) and stats["kl"] == 0.0
 
 
-# ---------------------------------------------------------------- μ = 1: the loss is about 0, the gradient is not
+# ---------------------------------------------------------------- μ = 1: the loss is about 0, the
+# gradient is not
 def test_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
     torch.manual_seed(0)
     group, length, beta = 4, 6, 0.04
@@ -269,7 +276,8 @@ def test_advantages_reject_a_batch_not_divisible_by_group_size():
         group_advantages(torch.ones(5), 4)
 
 
-# ---------------------------------------------------------------- aggregation: grpo / dapo / dr_grpo
+# ---------------------------------------------------------------- aggregation: grpo / dapo /
+# dr_grpo
 @pytest.mark.parametrize(
     "loss_type,expected,normalizer",
     [("grpo", 0.0, 4), ("dapo", 3 / 11, 11), ("dr_grpo", 3 / 16, 16)],
@@ -337,7 +345,8 @@ def test_beta_without_reference_is_an_error():
         grpo_loss(logps, None, None, adv, mask, beta=0.04)
 
 
-# ---------------------------------------------------------------- GSPO: the sequence ratio and its gradient
+# ---------------------------------------------------------------- GSPO: the sequence ratio and its
+# gradient
 def test_gspo_token_log_ratios_0_1_minus_0_2_0_4_give_sequence_ratio_e_0_1():
     log_ratio = torch.tensor([[0.1, -0.2, 0.4, 9.0]])  # the 4th token is masked out
     loss = grpo_loss(
@@ -354,7 +363,8 @@ def test_gspo_token_log_ratios_0_1_minus_0_2_0_4_give_sequence_ratio_e_0_1():
 
 
 def test_gspo_gradient_flows_through_the_sequence_ratio_to_every_token():
-    # J = mean_t s·A = s for A = 1, s = exp(mean of the 3 unmasked log-ratios): dJ/dlogπ_t = s/3, 0 where masked.
+    # J = mean_t s·A = s for A = 1, s = exp(mean of the 3 unmasked log-ratios): dJ/dlogπ_t = s/3, 0
+    # where masked.
     logps = torch.tensor([[0.1, -0.2, 0.4, 9.0]], requires_grad=True)
     loss = grpo_loss(
         logps,
@@ -373,13 +383,15 @@ def test_gspo_gradient_flows_through_the_sequence_ratio_to_every_token():
 
 # ---------------------------------------------------------------- process supervision (§4.1.3)
 def test_process_advantages_sum_normalized_rewards_of_steps_ending_at_or_after_each_token():
-    # Group of 2: completion 0 has steps ending at tokens 1 and 3 with rewards 1 and 0; completion 1 has two
-    # steps rewarded 0.5. Pooled [1, 0, 0.5, 0.5]: mean 0.5, Bessel std sqrt(1/6), so ±sqrt(1.5) and 0.
+    # Group of 2: completion 0 has steps ending at tokens 1 and 3 with rewards 1 and 0; completion 1
+    # has two steps rewarded 0.5. Pooled [1, 0, 0.5, 0.5]: mean 0.5, Bessel std sqrt(1/6), so
+    # ±sqrt(1.5) and 0.
     adv = process_advantages([[1.0, 0.0], [0.5, 0.5]], [[1, 3], [0, 4]], 2, 5, eps=0.0)
     s = math.sqrt(1.5)
     assert adv[0].tolist() == pytest.approx([s - s, s - s, -s, -s, 0.0], abs=TOL)
     assert adv[1].tolist() == pytest.approx([0.0] * 5, abs=TOL)
-    # grpo_loss takes the [N, T] advantages as they are: at ratio 1, J = mean over sequences of mean_t Â_t.
+    # grpo_loss takes the [N, T] advantages as they are: at ratio 1, J = mean over sequences of
+    # mean_t Â_t.
     loss = grpo_loss(torch.zeros(2, 5), None, None, adv, torch.ones(2, 5), beta=0.0)
     assert -loss.item() == pytest.approx((-2 * s / 5) / 2, abs=TOL)
 
@@ -403,7 +415,8 @@ def test_completion_mask_two_eos_ids_stop_at_whichever_comes_first():
 
 
 def test_completion_mask_when_pad_equals_eos_the_eos_still_counts():
-    # generate() pads finished rows with pad == EOS; the first one is the real EOS and must be trained on.
+    # generate() pads finished rows with pad == EOS; the first one is the real EOS and must be
+    # trained on.
     ids = torch.tensor([[5, 6, EOS, EOS, EOS], [5, 6, 7, 8, 9]])
     assert completion_mask(ids, EOS).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
 
@@ -438,16 +451,18 @@ def test_a_row_with_no_tokens_contributes_0_not_nan():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_far_off_policy_or_far_from_the_reference_keeps_loss_and_gradient_finite(dtype):
-    # log r = 100 with Â = -1 and no dual clip: exp(100) overflows fp32, so the loss was inf and the update skipped.
-    # Bounded at MAX_LOG_RATIO = 20: the loss is (e^20 + 1) / 2, finite, and that token passes no gradient through
-    # its ratio. The same for k3 at log(π_ref / π_θ) = 100. The other token's gradient is untouched.
+    # log r = 100 with Â = -1 and no dual clip: exp(100) overflows fp32, so the loss was inf and the
+    # update skipped. Bounded at MAX_LOG_RATIO = 20: the loss is (e^20 + 1) / 2, finite, and that
+    # token passes no gradient through its ratio. The same for k3 at log(π_ref / π_θ) = 100. The
+    # other token's gradient is untouched.
     logps = torch.tensor([[0.0, -1.0]], dtype=dtype, requires_grad=True)
     old = torch.tensor([[-100.0, -1.0]], dtype=dtype)
     mask = torch.ones(1, 2)
     loss = grpo_loss(logps, old, None, torch.tensor([-1.0], dtype=dtype), mask, beta=0.0)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
-    # token 0: ratio e^20 (bounded), objective e^20 * -1; token 1: ratio 1, objective -1; mean over 2 tokens, negated
+    # token 0: ratio e^20 (bounded), objective e^20 * -1; token 1: ratio 1, objective -1; mean over
+    # 2 tokens, negated
     expected = (math.exp(20.0) + 1) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-2 if dtype == torch.bfloat16 else 1e-6)
     assert float(logps.grad[0, 0]) == 0.0  # beyond the bound: no gradient through the ratio

@@ -1,12 +1,11 @@
-"""Checkpoints: claiming the output directory, saving a run, finding the last whole checkpoint, and restoring a run
-from it.
+"""Checkpoints: saving a run, finding the last whole checkpoint, and restoring a run from it.
 
-OUTPUT_DIR/checkpoint holds save_pretrained's model + tokenizer, so AutoModelForCausalLM.from_pretrained loads it, and
-training_state.pt: optimizer, scheduler (and fp16's loss scaler), step and RNG states, and the flags. It is written
-into checkpoint.tmp, fsynced and renamed into place, after checking the weights are finite. A run's data position
-needs no saving: the batch of step s is a pure function of the seed and s (data.batch_at); its evaluations are read
-back from metrics.jsonl. One run per output directory: a fresh run refuses a directory that holds one, and a live run
-holds OUTPUT_DIR/.lock (claim_output_dir).
+OUTPUT_DIR/checkpoint holds save_pretrained's model and tokenizer (AutoModelForCausalLM loads it)
+and training_state.pt: AdamW, the LR schedule (and fp16's loss scaler), the step, the RNG states
+and the flags. It is written into checkpoint.tmp, fsynced and renamed into place, after checking
+that the weights are finite. A run's data position needs no saving: the batch of step s is a pure
+function of the seed and s (data.batch_at); its evaluations are read back from metrics.jsonl. The
+output directory itself (one run in it, its lock) is rundir.py's.
 """
 
 import json
@@ -23,19 +22,36 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from support import distributed, report
-from support.errors import UserError
+from support import distributed
+from support.errors import NonFiniteWeights, SaveFailed, UserError, WriteFailed, failure
+
+# Which weights π_θ starts from (starting_weights): decided once, at startup.
+FROM_MODEL = "model"  # π_θinit: --model (or the demo's model); a fresh run
+FROM_CHECKPOINT = "checkpoint"  # the checkpoint's whole model, loaded in --model's place
+# --model first (π_ref needs π_θinit, or the demo builds its model in code), then the
+# checkpoint's weights for π_θ
+MODEL_THEN_CHECKPOINT = "model, then the checkpoint's weights"
+MODEL_AND_ADAPTER = "model with the checkpoint's LoRA adapter"
 
 
-def policy_loaded_from_checkpoint(args, resume_dir):
-    """Whether --resume loads the checkpoint in place of π_θinit: with β = 0 no reference model needs the initial
-    weights (the demo always builds its model in code)."""
-    return resume_dir is not None and args.beta == 0 and not args.demo and not args.lora_rank
+def starting_weights(args, resume_dir):
+    """Where π_θ's weights come from: a fresh run starts from --model (FROM_MODEL); --resume (and
+    --eval-only --resume) from the checkpoint: the adapter on --model with LoRA, --model and then
+    the checkpoint's weights when π_ref needs --model's (β > 0 in training) or the demo builds
+    its model in code, else the checkpoint's model alone."""
+    if resume_dir is None:
+        return FROM_MODEL
+    if args.lora_rank:
+        return MODEL_AND_ADAPTER
+    if args.demo or (args.beta > 0 and not args.eval_only):
+        return MODEL_THEN_CHECKPOINT
+    return FROM_CHECKPOINT
 
 
 def save_merged(model, peft_model, directory):
-    """The merged model (merged_state_dict) as an ordinary save_pretrained directory. An adapter on a tied lm-head
-    (or input embedding) makes the two differ: the saved config then unties them, or loading would re-tie them."""
+    """The merged model (merged_state_dict) as an ordinary save_pretrained directory. An adapter
+    on a tied lm-head (or input embedding) makes the two differ: the saved config then unties
+    them, or loading would re-tie them."""
     state = merged_state_dict(peft_model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
@@ -58,9 +74,10 @@ def name_of(model, module):
 
 
 def merged_state_dict(peft_model):
-    """The base model's weights with each LoRA update added (W + scale·B·A), under the base model's own names, for
-    a checkpoint that from_pretrained loads without peft. The live model is not touched: merging in place and
-    unmerging again would not give back the same bits, and resume would not be exact."""
+    """The base model's weights with each LoRA update added (W + scale·B·A), under the base
+    model's own names, for a checkpoint that from_pretrained loads without peft. The live model
+    is not touched: merging in place and unmerging again would not give back the same bits, and
+    resume would not be exact."""
     from peft.tuners.lora import LoraLayer
 
     base = peft_model.get_base_model()
@@ -80,7 +97,8 @@ def merged_state_dict(peft_model):
 
 
 def load_policy(resume_dir, model, args):
-    """π_θ as the checkpoint left it (fp32 weights), after checking it was trained from `model`'s architecture."""
+    """π_θ as the checkpoint left it (fp32 weights), after checking it was trained from `model`'s
+    architecture."""
     check_same_architecture(
         model.config, AutoConfig.from_pretrained(resume_dir), args.model, resume_dir
     )
@@ -90,8 +108,9 @@ def load_policy(resume_dir, model, args):
 
 
 def restore(resume_dir, args, optimizer, scheduler, scaler):
-    """A resumed run's AdamW state, LR schedule, fp16 loss scaler and this rank's RNG, after checking that its flags
-    are the checkpoint's. Returns the step the checkpoint was saved after."""
+    """A resumed run's AdamW state, LR schedule, fp16 loss scaler and this rank's RNG, after
+    checking that its flags are the checkpoint's. Returns the step the checkpoint was saved
+    after."""
     state = load_state(resume_dir)
     check_same_flags(state["args"], args)
     optimizer.load_state_dict(state["optimizer"])
@@ -115,7 +134,8 @@ SHAPE_KEYS = (
 
 
 def check_same_architecture(initial, saved, model_name, resume_dir):
-    """UserError when the checkpoint was trained from another model than --model (π_ref and π_θinit come from it)."""
+    """UserError when the checkpoint was trained from another model than --model (π_ref and
+    π_θinit come from it)."""
     differ = [
         f"{k} {getattr(saved, k, None)} vs {getattr(initial, k, None)}"
         for k in SHAPE_KEYS
@@ -129,8 +149,9 @@ def check_same_architecture(initial, saved, model_name, resume_dir):
         )
 
 
-# The flags a resumed run may change (docs/reliability.md). Every other flag must be the checkpoint's: the
-# run would otherwise not continue the one it resumes. Paths may move; --steps stretches or shortens the LR schedule.
+# The flags a resumed run may change (docs/reliability.md). Every other flag must be the
+# checkpoint's: the run would otherwise not continue the one it resumes. Paths may move; --steps
+# stretches or shortens the LR schedule.
 MAY_CHANGE_ON_RESUME = {
     "resume",
     "overwrite",
@@ -158,7 +179,8 @@ MAY_CHANGE_ON_RESUME = {
 
 
 def check_same_flags(saved, args):
-    """UserError naming every flag (outside MAY_CHANGE_ON_RESUME) whose value differs from the checkpoint's."""
+    """UserError naming every flag (outside MAY_CHANGE_ON_RESUME) whose value differs from the
+    checkpoint's."""
     differ = [
         k
         for k, v in sorted(vars(args).items())
@@ -177,10 +199,11 @@ def check_same_flags(saved, args):
 
 
 def save_run(run, args, step, rng, final=False):
-    """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model when the run ends here
-    (the last step, an early stop, an interruption: `final`), so that the checkpoint a run leaves behind always loads
-    with from_pretrained. Weights that are not finite are refused first (NonFiniteWeights), on every rank at once:
-    nothing is written, and the last checkpoint stands."""
+    """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model
+    when the run ends here (the last step, an early stop, an interruption: `final`), so that the
+    checkpoint a run leaves behind always loads with from_pretrained. Weights that are not finite
+    are refused first (NonFiniteWeights), on every rank at once: nothing is written, and the last
+    checkpoint stands."""
     check_finite(run.model, args.output_dir, step)
     # every rank's RNG (under torchrun each samples its own completions)
     rngs = distributed.gather_objects(rng)
@@ -221,21 +244,22 @@ LARGE_SAVE_BYTES = 1e9  # a save announces itself beforehand above this size
 
 
 def checkpoint_bytes(model):
-    """About how many bytes a checkpoint of `model` writes: its weights, and AdamW's two fp32 moments of each
-    trainable weight (this rank's shards under FSDP2: a lower bound)."""
+    """About how many bytes a checkpoint of `model` writes: its weights, and AdamW's two fp32
+    moments of each trainable weight (this rank's shards under FSDP2: a lower bound)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return weights + sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
-    """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the weights and optimizer are
-    those of the end of the last step: save them with the RNG as it was then, so --resume redoes this step exactly.
-    After an update, count the step as done (its remaining μ updates are skipped); --resume samples the next batch."""
-    # train.Stopped: a signal stopped the run at this step's end, on every rank at once
+    """Ctrl-C (or an error that stops the run) inside `step`. Before its first update, the
+    weights and optimizer are those of the end of the last step: save them with the RNG as it was
+    then, so --resume redoes this step exactly. After an update, count the step as done (its
+    remaining μ updates are skipped); --resume samples the next batch."""
+    # signals.Stopped: a signal stopped the run at this step's end, on every rank at once
     everywhere = getattr(stopped_by, "everywhere", False)
-    if isinstance(stopped_by, report.WriteFailed) or (distributed.world() > 1 and not everywhere):
-        # a save or a metrics line failed, or the weights are not finite (the last checkpoint stands), or the other
-        # ranks are not there to save with
+    if isinstance(stopped_by, WriteFailed) or (distributed.world() > 1 and not everywhere):
+        # a save or a metrics line failed, or the weights are not finite (the last checkpoint
+        # stands), or the other ranks are not there to save with
         return
     done = step + 1 if updated else step
     if getattr(stopped_by, "saved", False):
@@ -277,9 +301,10 @@ def set_rng_state(state):
         (n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"])
     )
     if "cuda" in state and torch.cuda.is_available():
-        # This process's device's state. Checkpoints written before saved every visible GPU's (a list): the one of
-        # the device this process runs on, if that machine had it, else the first. A run saved on a GPU resumes on
-        # another machine, another GPU count, or the CPU (--device may change on resume).
+        # This process's device's state. Checkpoints written before saved every visible GPU's (a
+        # list): the one of the device this process runs on, if that machine had it, else the first.
+        # A run saved on a GPU resumes on another machine, another GPU count, or the CPU (--device
+        # may change on resume).
         cuda = state["cuda"]
         if isinstance(cuda, (list, tuple)):
             cuda = (
@@ -291,11 +316,12 @@ def set_rng_state(state):
 
 
 def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True, weights=None):
-    """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with renames, so a crash
-    or power loss at any moment leaves a complete checkpoint (the new one, or the previous one as checkpoint.old).
-    With LoRA (peft_model) the adapter goes into checkpoint/adapter, and the merged model beside it if `merge`.
-    A write that fails (a full disk: OSError from Python's own writes, RuntimeError from torch.save,
-    SafetensorError from safetensors) removes checkpoint.tmp and is a SaveFailed; nothing was replaced."""
+    """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with
+    renames, so a crash or power loss at any moment leaves a complete checkpoint (the new one, or
+    the previous one as checkpoint.old). With LoRA (peft_model) the adapter goes into
+    checkpoint/adapter, and the merged model beside it if `merge`. A write that fails (a full
+    disk: OSError from Python's own writes, RuntimeError from torch.save, SafetensorError from
+    safetensors) removes checkpoint.tmp and is a SaveFailed; nothing was replaced."""
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -318,17 +344,17 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
         fsync_tree(tmp)
     except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        kept, resumable = standing(output_dir)
+        kept, resumable = last_checkpoint_in_words(output_dir)
         raise SaveFailed(
-            f"could not write a checkpoint into {tmp} ({part}): {report.failure(e)}. Nothing was replaced: "
+            f"could not write a checkpoint into {tmp} ({part}): {failure(e)}. Nothing was replaced: "
             f"{kept}. {free_space(output_dir)}Free space (or pass another --output-dir) and rerun with "
             + ("--resume." if resumable else "--overwrite: there is no checkpoint to resume from.")
         ) from None
     fault_injection_pause()
     if os.path.isdir(final):
         if os.path.isdir(old) and verify(final) is not None and verify(old) is None:
-            # The run resumed from checkpoint.old because checkpoint is damaged (find_last): the whole one stays
-            # the fallback until the new one is in place.
+            # The run resumed from checkpoint.old because checkpoint is damaged (find_last): the
+            # whole one stays the fallback until the new one is in place.
             shutil.rmtree(final)
         else:
             shutil.rmtree(old, ignore_errors=True)
@@ -340,22 +366,15 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
     return final
 
 
-# What a write into a full disk (ENOSPC), a quota or a vanished directory raises: OSError from Python's own writes (the
-# tokenizer's files, fsync), RuntimeError from torch.save, SafetensorError from safetensors (neither says the errno).
+# What a write into a full disk (ENOSPC), a quota or a vanished directory raises: OSError from
+# Python's own writes (the tokenizer's files, fsync), RuntimeError from torch.save, SafetensorError
+# from safetensors (neither says the errno).
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
-class SaveFailed(report.WriteFailed):
-    """Writing a checkpoint failed, or was refused; the previous one is untouched (and there is nothing new to save on
-    the way out: save_interrupted skips it)."""
-
-
-class NonFiniteWeights(SaveFailed):
-    """The weights to save hold NaN or inf: nothing is written over the last checkpoint."""
-
-
 def check_finite(model, output_dir, step):
-    """NonFiniteWeights, on every rank, when any weight of `model` is NaN or inf (under FSDP2, any rank's shard)."""
+    """NonFiniteWeights, on every rank, when any weight of `model` is NaN or inf (under FSDP2,
+    any rank's shard)."""
     bad, anywhere = nonfinite_weights(model)
     if not anywhere:
         return
@@ -364,7 +383,7 @@ def check_finite(model, output_dir, step):
         if bad
         else " on another rank"
     )
-    kept, resumable = standing(output_dir)
+    kept, resumable = last_checkpoint_in_words(output_dir)
     raise NonFiniteWeights(
         f"the weights after step {step} are not finite (NaN or inf{where}), so no checkpoint was written: nothing "
         f"was replaced, {kept}. "
@@ -374,9 +393,10 @@ def check_finite(model, output_dir, step):
 
 
 def nonfinite_weights(model, trainable_only=False):
-    """The names of this rank's weights that hold NaN or inf (all of them, or the trainable ones only), and whether
-    any rank has one. One fused kernel per dtype on the device, the largest |w| of each tensor (a max cannot
-    overflow, as a sum of squares can), one sync, and one all-reduce under torchrun so that every rank agrees."""
+    """The names of this rank's weights that hold NaN or inf (all of them, or the trainable ones
+    only), and whether any rank has one. One fused kernel per dtype on the device, the largest
+    |w| of each tensor (a max cannot overflow, as a sum of squares can), one sync, and one
+    all-reduce under torchrun so that every rank agrees."""
     tensors = [
         (n, p.detach())
         for n, p in model.named_parameters()
@@ -393,9 +413,9 @@ def nonfinite_weights(model, trainable_only=False):
     return bad, distributed.all_sum([len(bad)])[0] > 0
 
 
-def standing(output_dir):
-    """Which checkpoint stands in `output_dir`, in words for a message that says nothing was replaced, and whether
-    there is one to resume from."""
+def last_checkpoint_in_words(output_dir):
+    """Which checkpoint stands in `output_dir`, in words for a message that says nothing was
+    replaced, and whether there is one to resume from."""
     path = find_last(output_dir, quiet=True)
     if path is None:
         return "no checkpoint is kept", False
@@ -406,8 +426,8 @@ def standing(output_dir):
 
 
 def checkpoint_step(path):
-    """The step a checkpoint was saved after, None when it cannot be read. Memory-mapped: no tensor is read, so it is
-    cheap for a 14 GB training_state.pt too."""
+    """The step a checkpoint was saved after, None when it cannot be read. Memory-mapped: no
+    tensor is read, so it is cheap for a 14 GB training_state.pt too."""
     try:
         state = torch.load(
             os.path.join(path, "training_state.pt"),
@@ -421,7 +441,8 @@ def checkpoint_step(path):
 
 
 def free_space(directory):
-    """The words "N MiB free there. " for a message about a failed write ("" when it cannot be told)."""
+    """The words "N MiB free there. " for a message about a failed write ("" when it cannot be
+    told)."""
     try:
         free = shutil.disk_usage(directory).free
     except OSError:
@@ -434,8 +455,9 @@ def free_space(directory):
 
 
 def fault_injection_pause():
-    """GRPO_SAVE_PAUSE=SECONDS widens the moments between a save's steps, so the fault-injection test's random
-    SIGKILLs land inside saves often (test_faults.py, test_sigkill_at_random_moments_...). Unset: no pause."""
+    """GRPO_SAVE_PAUSE=SECONDS widens the moments between a save's steps, so the fault-injection
+    test's random SIGKILLs land inside saves often (test_faults.py,
+    test_sigkill_at_random_moments_...). Unset: no pause."""
     if os.environ.get("GRPO_SAVE_PAUSE"):
         time.sleep(float(os.environ["GRPO_SAVE_PAUSE"]))
 
@@ -456,9 +478,10 @@ def fsync_tree(directory, files=True):
 
 
 def find_last(output_dir, quiet=False):
-    """OUTPUT_DIR/checkpoint if it is whole (verify), else checkpoint.old if that one is: a crash hit between save's
-    two renames, or checkpoint is damaged (said in one line on stderr). None when there is neither. A UserError when
-    each one there is damaged, naming what is wrong (quiet: None, and nothing printed)."""
+    """OUTPUT_DIR/checkpoint if it is whole (verify), else checkpoint.old if that one is: a crash
+    hit between save's two renames, or checkpoint is damaged (said in one line on stderr). None
+    when there is neither. A UserError when each one there is damaged, naming what is wrong
+    (quiet: None, and nothing printed)."""
     damaged = []
     for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(output_dir, name)
@@ -485,11 +508,12 @@ def find_last(output_dir, quiet=False):
 
 
 def verify(path):
-    """None when the checkpoint directory `path` is whole, else what is wrong with it, naming the file. Cheap (no
-    tensor is read, whatever the size): training_state.pt is a whole zip archive (torch.save's format) whose members
-    lie within the file; each .safetensors file's header parses and the file is exactly as long as the header says;
-    each .json file parses; and the weights are there (config.json and model.safetensors or its index's shards; with
-    LoRA, adapter/adapter_config.json and adapter/adapter_model.safetensors)."""
+    """None when the checkpoint directory `path` is whole, else what is wrong with it, naming the
+    file. Cheap (no tensor is read, whatever the size): training_state.pt is a whole zip archive
+    (torch.save's format) whose members lie within the file; each .safetensors file's header
+    parses and the file is exactly as long as the header says; each .json file parses; and the
+    weights are there (config.json and model.safetensors or its index's shards; with LoRA,
+    adapter/adapter_config.json and adapter/adapter_model.safetensors)."""
     adapter = os.path.join(path, "adapter")
     needed = ["training_state.pt"] + (
         ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
@@ -536,8 +560,8 @@ def zip_problem(file):
 
 
 def safetensors_problem(file):
-    """What is wrong with a .safetensors file, or None: an 8-byte header length, a JSON header, then exactly the bytes
-    its tensors' data_offsets cover."""
+    """What is wrong with a .safetensors file, or None: an 8-byte header length, a JSON header,
+    then exactly the bytes its tensors' data_offsets cover."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -568,7 +592,8 @@ def json_problem(file):
 
 
 def weights_problem(path):
-    """None when a save_pretrained directory has its weights: model.safetensors, or every shard its index names."""
+    """None when a save_pretrained directory has its weights: model.safetensors, or every shard
+    its index names."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -586,14 +611,14 @@ def weights_problem(path):
 
 def load_state(path):
     """training_state.pt of a checkpoint directory (the weights are loaded with from_pretrained)."""
-    # Onto the CPU: under torchrun every rank would otherwise load rank 0's AdamW moments onto rank 0's GPU.
-    # optimizer.load_state_dict then moves each state to its parameter's device.
+    # Onto the CPU: under torchrun every rank would otherwise load rank 0's AdamW moments onto rank
+    # 0's GPU. optimizer.load_state_dict then moves each state to its parameter's device.
     file = os.path.join(path, "training_state.pt")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     # damage verify cannot see (it reads no tensor)
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
         raise UserError(
-            f"could not read {file} ({report.failure(e)}): the checkpoint is damaged. Restore the directory "
+            f"could not read {file} ({failure(e)}): the checkpoint is damaged. Restore the directory "
             "from a copy, or start over with --overwrite (or in another --output-dir)."
         ) from None

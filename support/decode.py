@@ -1,11 +1,11 @@
 """The decode engine behind sampling.sample_rollouts: G completions of each prompt, fast.
 
-decode      a short loop over the model's forward: a static KV cache written in place (KVCache), each prompt
-            prefilled once and its cache copied to its G rows, tokens drawn among the top-k / top-p
-            survivors by one uniform per row, finished rows leaving the batch
-generate    decode() where it can run, else transformers' generate() (beam search, FSDP2)
---compile   the decode step compiled for a few planned shapes (plan_decode), reading a twin of the model
-            whose Linear weights are already in the compute dtype (decode_twin)
+lean_decode  a short loop over the model's forward: a static KV cache written in place (KVCache),
+             each prompt prefilled once and its cache copied to its G rows, tokens drawn among the
+             top-k / top-p survivors by one uniform per row, finished rows leaving the batch
+generate     lean_decode() where it can run, else transformers' generate() (beam search, FSDP2)
+--compile    the decode step compiled for a few planned shapes (plan_decode), reading a twin of the
+             model whose Linear weights are already in the compute dtype (decode_twin)
 """
 
 import contextlib
@@ -22,14 +22,15 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 
 def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
-    """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the longest. decode()
-    where uses_lean_decode() allows; otherwise one generate() call (num_return_sequences=G, or the G best of K
-    beams). In the autocast the caller set up, if any (sampling.sample_rollouts: the run's compute dtype)."""
+    """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the
+    longest. lean_decode() where uses_lean_decode() allows; otherwise one generate() call
+    (num_return_sequences=G, or the G best of K beams). In the autocast the caller set up, if any
+    (sampling.sample_rollouts: the run's compute dtype)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         if uses_lean_decode(model, settings):
-            out = decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
+            out = lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
         else:
             beams = settings.num_beams > 1
             # 0: greedy
@@ -51,8 +52,9 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
 
 
 def uses_lean_decode(model, settings):
-    """Whether decode() runs this model: sampling or greedy (beam search stays with generate()), whole weights (under
-    FSDP2 generate() keeps the processes in lockstep), and a model transformers can run with a static cache."""
+    """Whether lean_decode() runs this model: sampling or greedy (beam search stays with
+    generate()), whole weights (under FSDP2 generate() keeps the processes in lockstep), and a
+    model transformers can run with a static cache."""
     return (
         settings.num_beams == 1
         and not is_sharded(model)
@@ -61,16 +63,17 @@ def uses_lean_decode(model, settings):
 
 
 @torch.no_grad()
-def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
-    """The lean decode path, a short loop over the model's forward in place of generate(): [B*G, C] completions, pad
-    after EOS, C <= max_new_tokens the longest.
-      - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never grown by
-        concatenation;
+def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
+    """The lean decode path, a short loop over the model's forward in place of generate():
+    [B*G, C] completions, pad after EOS, C <= max_new_tokens the longest.
+      - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never
+        grown by concatenation;
       - each prompt is prefilled once, and its cache copied to its G rows;
       - tokens are drawn among the top-k / top-p survivors only (sample_tokens);
-      - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished rows cost nothing.
-        Compiled (compile_model), shapes stay fixed instead: the rows are padded to a planned count (plan_decode),
-        and finished rows run on, writing pad, until all are done."""
+      - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished
+        rows cost nothing. Compiled (compile_model), shapes stay fixed instead: the rows are
+        padded to a planned count (plan_decode), and finished rows run on, writing pad, until all
+        are done."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
     if compiled is None:
@@ -78,7 +81,8 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
     else:
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
-    # Every completion column is 1 from the start: causal masking hides the positions not yet written.
+    # Every completion column is 1 from the start: causal masking hides the positions not yet
+    # written.
     mask = torch.cat(
         [prompt_mask, prompt_mask.new_ones(B, C), prompt_mask.new_zeros(B, L - P - C)], dim=1
     )
@@ -106,7 +110,8 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
     done = torch.arange(R, device=device) >= n  # compiled: rows past their EOS (padding: all)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     for t in range(C):
-        # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the same samples.
+        # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the
+        # same samples.
         uniforms = torch.cat(
             [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
         )
@@ -133,10 +138,11 @@ def decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
 
 
 def sample_tokens(logits, settings, uniforms=None):
-    """One token per row of logits [n, V], drawn as settings say, and its log-prob under the distribution it was drawn
-    from: ([n] ids, [n] fp32 log-probs). Temperature, then top-k and top-p (top_k_then_top_p), then one uniform per row
-    ([n, 1] in [0, 1), drawn here if not given) through the survivors' cumulative distribution (inverse-CDF
-    sampling): no multinomial over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
+    """One token per row of logits [n, V], drawn as settings say, and its log-prob under the
+    distribution it was drawn from: ([n] ids, [n] fp32 log-probs). Temperature, then top-k and
+    top-p (top_k_then_top_p), then one uniform per row ([n, 1] in [0, 1), drawn here if not
+    given) through the survivors' cumulative distribution (inverse-CDF sampling): no multinomial
+    over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
     if settings.temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float32)
     values, indices = top_k_then_top_p(
@@ -153,9 +159,10 @@ def sample_tokens(logits, settings, uniforms=None):
 
 
 def top_k_then_top_p(scores, top_k, top_p):
-    """The tokens sampling may draw after top-k, then top-p (transformers' TopKLogitsWarper and TopPLogitsWarper, in
-    that order), from tempered scores [n, V], without sorting the whole vocabulary when top-k is on: (values [n, m],
-    indices [n, m]), values -inf where top-p dropped a survivor; indices None when nothing is cut (m = V, as given)."""
+    """The tokens sampling may draw after top-k, then top-p (transformers' TopKLogitsWarper and
+    TopPLogitsWarper, in that order), from tempered scores [n, V], without sorting the whole
+    vocabulary when top-k is on: (values [n, m], indices [n, m]), values -inf where top-p dropped
+    a survivor; indices None when nothing is cut (m = V, as given)."""
     V = scores.shape[-1]
     if top_k <= 0 and top_p >= 1.0:
         return scores, None
@@ -168,8 +175,8 @@ def top_k_then_top_p(scores, top_k, top_p):
         values, indices = scores.topk(tied, dim=-1)
         values = values.masked_fill(values < kth, float("-inf"))
     if top_p < 1.0:
-        # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose cumulative
-        # probability stays <= 1 - top_p, always keep the most likely one.
+        # TopPLogitsWarper's rule, on the survivors: ascending order, drop the tokens whose
+        # cumulative probability stays <= 1 - top_p, always keep the most likely one.
         values, indices = values.flip(-1), indices.flip(-1)  # ascending
         cumulative = values.softmax(dim=-1).cumsum(dim=-1)
         remove = cumulative <= (1 - top_p)
@@ -179,10 +186,11 @@ def top_k_then_top_p(scores, top_k, top_p):
 
 
 class TemperatureTopKTopP(LogitsProcessor):
-    """Temperature, then top-k, then top-p (top_k_then_top_p) as one transformers LogitsProcessor, for the paths that still
-    run generate() (beam search, FSDP): the distribution of TemperatureLogitsWarper, TopKLogitsWarper and
-    TopPLogitsWarper in that order. The temperature is applied here because generate() runs a user's processors
-    before its own warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits /
+    """Temperature, then top-k, then top-p (top_k_then_top_p) as one transformers
+    LogitsProcessor, for the paths that still run generate() (beam search, FSDP): the
+    distribution of TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper in that order.
+    The temperature is applied here because generate() runs a user's processors before its own
+    warpers, and top-p depends on it. Scores [n, V] in, [n, V] out: the survivors keep logits /
     temperature, every other token gets -inf."""
 
     def __init__(self, temperature, top_k, top_p):
@@ -196,10 +204,11 @@ class TemperatureTopKTopP(LogitsProcessor):
 
 
 class KVCache(StaticCache):
-    """transformers' StaticCache (preallocated, written in place), its keys and values held in `dtype`, the compute
-    dtype under autocast. With fp32 weights under autocast the rotary embedding leaves the keys in fp32 while v_proj
-    gives bf16 values, and a StaticCache holds one dtype for both. Attention, an autocast op, reads both in the compute
-    dtype anyway: storing them in it loses nothing and halves the cache. dtype None: as they come (fp32)."""
+    """transformers' StaticCache (preallocated, written in place), its keys and values held in
+    `dtype`, the compute dtype under autocast. With fp32 weights under autocast the rotary
+    embedding leaves the keys in fp32 while v_proj gives bf16 values, and a StaticCache holds one
+    dtype for both. Attention, an autocast op, reads both in the compute dtype anyway: storing
+    them in it loses nothing and halves the cache. dtype None: as they come (fp32)."""
 
     def __init__(self, config, max_cache_len, dtype=None):
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -213,8 +222,9 @@ class KVCache(StaticCache):
 
 
 def _grouped_cache(model, prefill, group, reuse):
-    """The B prompts' prefilled cache, repeated to their rows (group: each row's prompt). reuse (compiled): written in
-    place into the one cache kept for this shape, so CUDA graphs find it at the same addresses at every call."""
+    """The B prompts' prefilled cache, repeated to their rows (group: each row's prompt). reuse
+    (compiled): written in place into the one cache kept for this shape, so CUDA graphs find it
+    at the same addresses at every call."""
     if reuse is None:
         prefill.reorder_cache(group)
         return prefill
@@ -242,8 +252,11 @@ def _decode_step(model, token, mask, position, cache):
     ).logits[:, -1]
 
 
-# --compile's state per model (compile_model): id(model) -> Compiled. Each entry holds its model (through the
-# callables), so an id here is never reused by another model.
+# --compile's state per model (sampling.compile_model): id(model) -> Compiled. The process's one
+# registry, and global on purpose: the state follows the model object without becoming part of it
+# (an attribute would travel with copy.deepcopy, the twin's and π_ref's, and a compiled module into
+# the state dict). Each entry holds its model (through its callables), so no other model reuses an
+# id here.
 COMPILED = {}
 
 
@@ -251,13 +264,14 @@ COMPILED = {}
 class Compiled:
     """What torch.compile made of one model, and the decode shapes it may meet.
 
-    The decode step is compiled for fixed shapes, one graph per (rows, cache length): `rows` and `length` are the
-    planned ones (plan_decode), to which every call is padded, so a run compiles and keeps at most len(rows) graphs
-    and KV caches. A call that fits no planned shape gets its own (rounded up: rows as they are, length to a
-    multiple of 64), with a warning."""
+    The decode step is compiled for fixed shapes, one graph per (rows, cache length): `rows` and
+    `length` are the planned ones (plan_decode), to which every call is padded, so a run compiles
+    and keeps at most len(rows) graphs and KV caches. A call that fits no planned shape gets its
+    own (rounded up: rows as they are, length to a multiple of 64), with a warning."""
 
     backend: object
     mode: str | None
+    forward: object = None  # the log-prob passes' compiled forward (sampling.compile_model)
     rows: tuple = ()  # planned row counts of a decode call, ascending
     length: int | None = None  # planned cache length: longest prompt + max_new_tokens
     # compute dtype -> (twin, its pairs, compiled step)
@@ -284,24 +298,32 @@ class Compiled:
         return rows, length
 
 
-def compile_decode(model, backend="inductor"):
-    """--compile: the decode step of this model is compiled at its first call, for fixed shapes against a static
-    cache (CUDA graphs on a GPU: mode "reduce-overhead"). Weights and state dict untouched."""
+def compile_decode(model, backend="inductor", forward=None):
+    """--compile: the decode step of this model is compiled at its first call, for fixed shapes
+    against a static cache (CUDA graphs on a GPU: mode "reduce-overhead"); `forward`, the log-prob
+    passes' compiled forward, is kept with it. Weights and state dict untouched."""
     mode = "reduce-overhead" if next(model.parameters()).is_cuda and backend == "inductor" else None
-    COMPILED[id(model)] = Compiled(backend, mode)
+    COMPILED[id(model)] = Compiled(backend, mode, forward)
+
+
+def compiled_forward(model):
+    """The log-prob passes' compiled forward of `model` (--compile), or None."""
+    compiled = COMPILED.get(id(model))
+    return None if compiled is None else compiled.forward
 
 
 def plan_decode(model, rows, length):
-    """The decode shapes a compiled model will meet: each call's rows are padded up to the smallest of `rows` that
-    holds them, and its cache is `length` positions long (the longest prompt + max_new_tokens). Nothing when the
-    model is not compiled."""
+    """The decode shapes a compiled model will meet: each call's rows are padded up to the
+    smallest of `rows` that holds them, and its cache is `length` positions long (the longest
+    prompt + max_new_tokens). Nothing when the model is not compiled."""
     compiled = COMPILED.get(id(model))
     if compiled is not None:
         compiled.rows, compiled.length = tuple(sorted(set(rows))), length
 
 
 def compiled_decoder(model, dtype):
-    """(the model decode runs, its compiled step) for a compiled model: the twin under autocast, else the model."""
+    """(the model decode runs, its compiled step) for a compiled model: the twin under autocast,
+    else the model."""
     compiled = COMPILED[id(model)]
     if dtype not in compiled.steps:
         twin, pairs = decode_twin(model, dtype) if dtype is not None else (model, [])
@@ -318,11 +340,12 @@ def compiled_decoder(model, dtype):
 
 
 def decode_twin(model, dtype):
-    """The model for a compiled decode under autocast: every Linear's weight (and bias) held in the compute dtype,
-    what autocast casts it to at every use, so the captured step reads it as it is instead of casting each fp32
-    weight again at every token. Every other tensor (embeddings, norms, buffers) is the model's own, shared, not
-    copied, so the twin computes exactly what the model computes under autocast. Costs 2 bytes per Linear parameter
-    (a tied lm-head gets its own). Returns (twin, [(twin's tensor, model's)]) for refresh_twin."""
+    """The model for a compiled decode under autocast: every Linear's weight (and bias) held in
+    the compute dtype, what autocast casts it to at every use, so the captured step reads it as
+    it is instead of casting each fp32 weight again at every token. Every other tensor
+    (embeddings, norms, buffers) is the model's own, shared, not copied, so the twin computes
+    exactly what the model computes under autocast. Costs 2 bytes per Linear parameter (a tied
+    lm-head gets its own). Returns (twin, [(twin's tensor, model's)]) for refresh_twin."""
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     # the modules anew; every parameter and buffer is the model's own
     twin = copy.deepcopy(model, shared)
@@ -338,8 +361,8 @@ def decode_twin(model, dtype):
 
 @torch.no_grad()
 def refresh_twin(pairs):
-    """Copy the model's current Linear weights into its decode twin, in place (the captured graphs read them at the
-    same addresses): one read of the fp32 weights per decode call."""
+    """Copy the model's current Linear weights into its decode twin, in place (the captured
+    graphs read them at the same addresses): one read of the fp32 weights per decode call."""
     for low, p in pairs:
         low.copy_(p)
 
@@ -351,14 +374,15 @@ def compute_dtype(device):
 
 
 def is_sharded(model):
-    """Whether the model's weights are sharded over processes (FSDP2: DTensors). Every process must then run each
-    forward together: generate keeps stepping (synced_gpus) until every process's rows have finished."""
+    """Whether the model's weights are sharded over processes (FSDP2: DTensors). Every process
+    must then run each forward together: generate keeps stepping (synced_gpus) until every
+    process's rows have finished."""
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def generation_config(settings, eos_ids, pad_id, num_return_sequences):
-    """Every setting that could change the sampled distribution, stated; temperature, top-k and top-p are off here
-    (TemperatureTopKTopP applies them)."""
+    """Every setting that could change the sampled distribution, stated; temperature, top-k and
+    top-p are off here (TemperatureTopKTopP applies them)."""
     return GenerationConfig(
         do_sample=settings.temperature > 0 and settings.num_beams == 1,
         temperature=1.0,
@@ -380,9 +404,9 @@ def generation_config(settings, eos_ids, pad_id, num_return_sequences):
 
 @contextlib.contextmanager
 def flags_only(model):
-    """generate() fills every unset field of the GenerationConfig it is given from model.generation_config
-    (suppress_tokens, bad_words_ids, min_p, ...). Set the checkpoint's aside for the call, so the library defaults
-    are all it can fall back on."""
+    """generate() fills every unset field of the GenerationConfig it is given from
+    model.generation_config (suppress_tokens, bad_words_ids, min_p, ...). Set the checkpoint's
+    aside for the call, so the library defaults are all it can fall back on."""
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:

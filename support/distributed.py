@@ -1,12 +1,14 @@
-"""Data parallel under torchrun: the few things GRPO needs from torch.distributed, and nothing when run alone.
+"""Data parallel under torchrun: the few things GRPO needs from torch.distributed, and nothing when
+run alone.
 
-    torchrun --standalone --nproc-per-node 2 train.py --demo    # 2 processes: gloo on CPU, NCCL on CUDA
+    torchrun --standalone --nproc-per-node 2 train.py --demo  # 2 processes: gloo (CPU), NCCL (CUDA)
 
-Each process (rank) takes its own slice of the step's prompts, whole groups only, and generates, scores and
-back-propagates them. What must be global is made global here: the rewards (advantages with batch-level std),
-the loss's normalizer (sequences, tokens or N·max_tokens over every rank), the logged metrics, and the RNG states
-of a checkpoint. DistributedDataParallel averages the gradients once per optimizer update (train.policy_update).
-Only rank 0 prints, writes metrics.jsonl and writes checkpoints.
+Each process (rank) takes its own slice of the step's prompts, whole groups only, and generates,
+scores and back-propagates them. What must be global is made global here: the rewards (advantages
+with batch-level std), the loss's normalizer (sequences, tokens or N·max_tokens over every rank),
+the logged metrics, and the RNG states of a checkpoint. DistributedDataParallel averages the
+gradients once per optimizer update (train.policy_update). Only rank 0 prints, writes metrics.jsonl
+and writes checkpoints.
 """
 
 import atexit
@@ -20,8 +22,9 @@ import sampling
 
 
 def init(device):
-    """Join torchrun's process group when WORLD_SIZE > 1 (NCCL for CUDA, gloo for CPU) and pin this process's GPU;
-    silence stdout on every rank but 0. Plain `python train.py`: nothing happens."""
+    """Join torchrun's process group when WORLD_SIZE > 1 (NCCL for CUDA, gloo for CPU) and pin
+    this process's GPU; silence stdout on every rank but 0. Plain `python train.py`: nothing
+    happens."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     if device == "cuda":
@@ -34,8 +37,8 @@ def init(device):
 
 
 class LogProbs(torch.nn.Module):
-    """sampling.token_logprobs as a module's forward, so that DistributedDataParallel sees the whole computation
-    (the chunked lm-head included) and all-reduces every parameter's gradient."""
+    """sampling.token_logprobs as a module's forward, so that DistributedDataParallel sees the
+    whole computation (the chunked lm-head included) and all-reduces every parameter's gradient."""
 
     def __init__(self, model):
         super().__init__()
@@ -54,14 +57,15 @@ def wrap(model):
 
 
 def shard_model(model):
-    """FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer (the classes transformers lists in
-    _no_split_modules) its own unit, then the root (embeddings, final norm, lm-head). Parameters, gradients and AdamW
-    state are then split over the ranks; each layer's weights are gathered for its forward and backward only."""
+    """FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer (the classes transformers
+    lists in _no_split_modules) its own unit, then the root (embeddings, final norm, lm-head).
+    Parameters, gradients and AdamW state are then split over the ranks; each layer's weights are
+    gathered for its forward and backward only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    # The mesh on the model's own device type: by default FSDP2 takes the machine's accelerator, and would move a
-    # CPU model (--device cpu, gloo) onto the GPU of a GPU machine.
+    # The mesh on the model's own device type: by default FSDP2 takes the machine's accelerator, and
+    # would move a CPU model (--device cpu, gloo) onto the GPU of a GPU machine.
     mesh = init_device_mesh(next(model.parameters()).device.type, (world(),))
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
@@ -72,7 +76,8 @@ def shard_model(model):
 
 
 def full_state_dict(model):
-    """Under FSDP2, the whole model's weights on rank 0 (a collective: every rank calls it; the others get {})."""
+    """Under FSDP2, the whole model's weights on rank 0 (a collective: every rank calls it; the
+    others get {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(
@@ -108,7 +113,8 @@ def all_sum(values):
 
 
 def gather(tensor):
-    """The concatenation over ranks (in rank order) of a tensor [n, ...] whose n is the same on every rank."""
+    """The concatenation over ranks (in rank order) of a tensor [n, ...] whose n is the same on
+    every rank."""
     if world() == 1:
         return tensor
     local = tensor.to(
@@ -120,7 +126,8 @@ def gather(tensor):
 
 
 def gather_objects(obj):
-    """[every rank's obj] in rank order (pickled; small things such as RNG states or evaluation tables)."""
+    """[every rank's obj] in rank order (pickled; small things such as RNG states or evaluation
+    tables)."""
     if world() == 1:
         return [obj]
     out = [None] * world()

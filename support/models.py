@@ -1,5 +1,5 @@
-"""The models of a run: π_θinit loaded by name or directory, the frozen reference π_ref (Algorithm 1's lines 1 and
-3), and LoRA adapters (peft, optional)."""
+"""The models of a run: π_θinit loaded by name or directory, the frozen reference π_ref
+(Algorithm 1's lines 1 and 3), and LoRA adapters (peft, optional)."""
 
 import copy
 import os
@@ -16,8 +16,9 @@ SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECA
 
 
 def resolve_model_name(name):
-    """--model as typed -> what from_pretrained gets: a local directory as is; a SmolLM2 short name
-    ("SmolLM2-1.7B-Instruct", any case) -> "HuggingFaceTB/SmolLM2-1.7B-Instruct"; anything else (a hub id) as is."""
+    """--model as typed -> what from_pretrained gets: a local directory as is; a SmolLM2 short
+    name ("SmolLM2-1.7B-Instruct", any case) -> "HuggingFaceTB/SmolLM2-1.7B-Instruct"; anything
+    else (a hub id) as is."""
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.expanduser(name)
     match = SMOLLM2_SHORT.fullmatch(name.strip())
@@ -29,8 +30,9 @@ def resolve_model_name(name):
 
 
 def load_model(name, trust_remote_code=False, check_config=None):
-    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying what was tried.
-    check_config(config, name): called on its config.json before the weights load (a UserError stops there)."""
+    """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying
+    what was tried. check_config(config, name): called on its config.json before the weights load
+    (a UserError stops there)."""
     resolved = resolve_model_name(name)
     local = os.path.abspath(os.path.expanduser(name))
     t0 = time.time()
@@ -66,8 +68,9 @@ def load_model(name, trust_remote_code=False, check_config=None):
 
 
 def check_context(max_new_tokens, max_prompt_length, config, name):
-    """UserError when --max-new-tokens (with --max-prompt-length, if given) leaves no room for the prompt in the
-    model's context (max_position_embeddings): prompts would be cut to nothing and the first forward would fail."""
+    """UserError when --max-new-tokens (with --max-prompt-length, if given) leaves no room for
+    the prompt in the model's context (max_position_embeddings): prompts would be cut to nothing
+    and the first forward would fail."""
     context = getattr(config, "max_position_embeddings", None)
     prompt = max_prompt_length or 1  # at least one prompt token before the completion
     if context is not None and max_new_tokens + prompt > context:
@@ -83,12 +86,13 @@ def check_context(max_new_tokens, max_prompt_length, config, name):
 
 
 def reference_model(model, beta, dtype, device, copy_model=True):
-    """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL term, no reference
-    model at all). copy_model=False freezes `model` itself (on --resume the policy is loaded from the checkpoint).
-    Its parameters are stored in the autocast dtype, if any: it is never trained. Its buffers (the rotary
-    embedding's inverse frequencies) stay fp32, as the policy's do: in bf16 they would turn every position's
-    rotation angle by up to 0.4% and raise the KL floor between identical models. Cast before the move: no fp32
-    copy on the device."""
+    """π_ref: a frozen copy of the initial policy (eval mode, no grad), or None when β = 0 (no KL
+    term, no reference model at all). copy_model=False freezes `model` itself (on --resume the
+    policy is loaded from the checkpoint). Its parameters are stored in the autocast dtype, if
+    any: it is never trained. Its buffers (the rotary embedding's inverse frequencies) stay fp32,
+    as the policy's do: in bf16 they would turn every position's rotation angle by up to 0.4% and
+    raise the KL floor between identical models. Cast before the move: no fp32 copy on the
+    device."""
     if beta == 0:
         return None
     ref = copy.deepcopy(model) if copy_model else model
@@ -100,11 +104,12 @@ def reference_model(model, beta, dtype, device, copy_model=True):
 
 
 def disable_dropout(model):
-    """Turn off the model's own dropout, in place: every torch.nn.Dropout (p = 0) and every float attribute whose name
-    ends in "dropout" (Llama, Qwen2 and others keep attention dropout as a float, `attention_dropout`, that they pass
-    to the attention kernel in training mode, not as a module). With μ > 1, π_old's log-probs and π_θ's would
-    otherwise come from different dropout masks, and the ratio of eq. 3 would be noise even before any update. peft's
-    LoRA dropout is left as --lora-dropout set it (its default is 0). The saved config.json is not touched."""
+    """Turn off the model's own dropout, in place: every torch.nn.Dropout (p = 0) and every float
+    attribute whose name ends in "dropout" (Llama, Qwen2 and others keep attention dropout as a
+    float, `attention_dropout`, that they pass to the attention kernel in training mode, not as a
+    module). With μ > 1, π_old's log-probs and π_θ's would otherwise come from different dropout
+    masks, and the ratio of eq. 3 would be noise even before any update. peft's LoRA dropout is
+    left as --lora-dropout set it (its default is 0). The saved config.json is not touched."""
     for name, module in model.named_modules():
         if "lora_dropout" in name:
             continue
@@ -116,8 +121,9 @@ def disable_dropout(model):
 
 
 def add_lora(model, args, resume_dir=None):
-    """--lora-rank: the PeftModel with LoRA adapters on --lora-target-modules (every other weight frozen), or, on
-    --resume, with the checkpoint's adapter. peft is imported only here: it stays optional."""
+    """--lora-rank: the PeftModel with LoRA adapters on --lora-target-modules (every other weight
+    frozen), or, on --resume, with the checkpoint's adapter. peft is imported only here: it stays
+    optional."""
     try:
         import peft
     except ImportError:

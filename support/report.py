@@ -1,13 +1,13 @@
-"""What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (written here, truncated here on --resume,
-read back here), with --report-to the same rows and sampled completions in TensorBoard or W&B (trackers.py, fed
-here), the closing before/after table, and the training curves drawn from them, OUTPUT_DIR/curves.png.
-matplotlib is optional; without it, one line says how to get the plot.
+"""What a run reports: its progress line and OUTPUT_DIR/metrics.jsonl (written here, truncated here
+on --resume, read back here), with --report-to the same rows and sampled completions in TensorBoard
+or W&B (trackers.py, fed here), the closing before/after table, and the training curves drawn from
+them, OUTPUT_DIR/curves.png. matplotlib is optional; without it, one line says how to get the plot.
 
     python train.py --plot OUTPUT_DIR    # draws OUTPUT_DIR/curves.png again, from its metrics.jsonl
 
-Four panels by step: the mean reward of each reward function (the evaluations on held-out questions as large
-markers), the KL to the reference, the completion length, and the fraction of groups whose rewards were all equal
-(zero spread: no learning signal from the rewards).
+Four panels by step: the mean reward of each reward function (the evaluations on held-out questions
+as large markers), the KL to the reference, the completion length, and the fraction of groups whose
+rewards were all equal (zero spread: no learning signal from the rewards).
 """
 
 import json
@@ -17,27 +17,14 @@ import sys
 import numpy as np
 
 from support import distributed, trackers
-from support.errors import UserError
-
-
-class WriteFailed(UserError):
-    """Writing a run's files failed (a full disk, a quota, a read-only or vanished directory): one paragraph and exit
-    code 2. Nothing more is written on the way out (checkpoint.save_interrupted skips it): the last checkpoint stands,
-    and --resume continues from it with metrics.jsonl cut back to its step."""
-
-
-def failure(e):
-    """An exception from a write as a few words: OSError's own text ("No space left on device"), else its type and
-    message (torch.save raises RuntimeError, safetensors SafetensorError, both without the errno)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return f"{type(e).__name__}: {str(e)[:300]}"
+from support.errors import UserError, WriteFailed, failure
 
 
 def read_rows(path):
-    """The rows of a metrics.jsonl, in order. A blank line is skipped, and so is a last line cut short by a kill in the
-    middle of a write (with a message). Any other line that is not a JSON object with an integer "step" is a UserError
-    naming the file and line: this program never writes one, so the file was edited or damaged."""
+    """The rows of a metrics.jsonl, in order. A blank line is skipped, and so is a last line cut
+    short by a kill in the middle of a write (with a message). Any other line that is not a JSON
+    object with an integer "step" is a UserError naming the file and line: this program never
+    writes one, so the file was edited or damaged."""
     with open(path) as f:
         lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
     rows = []
@@ -73,16 +60,36 @@ def read_metrics(output_dir):
     return steps, evals
 
 
-# The trackers (--report-to) of each open metrics.jsonl, by its absolute path: rank 0's, from open_log to close_log.
-OPEN_TRACKERS = {}
+class MetricsLog:
+    """A run's OUTPUT_DIR/metrics.jsonl, and the trackers --report-to started for it (rank 0's;
+    none elsewhere): every row written goes to both. The run owns it (train.Run.log) and closes it
+    when it ends, however it ends."""
+
+    def __init__(self, path, trackers=None):
+        self.path, self.trackers = path, trackers
+
+    def write(self, row):
+        write_log(self.path, row)
+        if self.trackers is not None:
+            self.trackers.log(row)
+
+    def samples(self, step, samples):
+        """Sampled completions, for the trackers (metrics.jsonl holds numbers only)."""
+        if self.trackers is not None:
+            self.trackers.log_samples(step, samples)
+
+    def close(self):
+        if self.trackers is not None:
+            self.trackers.close()
+        self.trackers = None
 
 
 def open_log(output_dir, resumed_at=None, args=None):
-    """OUTPUT_DIR/metrics.jsonl for this run, and the evaluations logged in it. A resumed run keeps the lines up to
-    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run starts it empty.
-    The kept lines are written beside it and renamed over it, so a full disk cannot lose them. Under torchrun every
-    rank reads it, and rank 0 alone writes it. With the run's flags (args), the trackers --report-to names start
-    too: every row written to this log goes to them (write_log) until close_log."""
+    """The run's MetricsLog, and the evaluations already in it. A resumed run keeps the lines up to
+    its checkpoint's step (a run that went on past its last checkpoint logged more); a new run
+    starts it empty. The kept lines are written beside it and renamed over it, so a full disk
+    cannot lose them. Under torchrun every rank reads it, and rank 0 alone writes it. With the
+    run's flags (args), the trackers --report-to names start too."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
@@ -106,23 +113,13 @@ def open_log(output_dir, resumed_at=None, args=None):
         for row in kept
         if any(k.startswith("eval/") for k in row)
     ]
-    if args is not None:
-        close_log()  # one run at a time: any trackers a run that stopped on an error left open
-        OPEN_TRACKERS[os.path.abspath(path)] = trackers.start(args, output_dir, resumed_at)
-    return path, evals
-
-
-def close_log(path=None):
-    """Close the trackers of the metrics.jsonl at `path` (None: of every log still open in this process)."""
-    paths = list(OPEN_TRACKERS) if path is None else [os.path.abspath(path)]
-    for key in paths:
-        opened = OPEN_TRACKERS.pop(key, None)
-        if opened is not None:
-            opened.close()
+    started = None if args is None else trackers.start(args, output_dir, resumed_at)
+    return MetricsLog(path, started), evals
 
 
 def curves(output_dir):
-    """Write OUTPUT_DIR/curves.png and return its path; None (and one line on stdout) without matplotlib or data."""
+    """Write OUTPUT_DIR/curves.png and return its path; None (and one line on stdout) without
+    matplotlib or data."""
     try:
         import matplotlib
 
@@ -211,17 +208,19 @@ def curves(output_dir):
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# What a run prints: one line per step on stdout, the same fields as JSON in OUTPUT_DIR/metrics.jsonl
-# (docs/logging.md), a sampled completion now and then, the header and the closing before/after table.
+# --------------------------------------------------------------------------------------------------
+# What a run prints: one line per step on stdout, the same fields as JSON in
+# OUTPUT_DIR/metrics.jsonl (docs/logging.md), a sampled completion now and then, the header and the
+# closing before/after table.
 
 
 def step_metrics(
     reward, per_fn, lengths, truncated, group_size, updates, times, steps_left, scheduler
 ):
-    """The step's metrics, from its rewards [N], each function's {name: [N]}, the completion lengths and truncation
-    flags [N] (every rank's, under torchrun); those of the updates are their mean over the μ iterations (0 when
-    there was none). times: every step's seconds so far (this one last), for the ETA."""
+    """The step's metrics, from its rewards [N], each function's {name: [N]}, the completion
+    lengths and truncation flags [N] (every rank's, under torchrun); those of the updates are
+    their mean over the μ iterations (0 when there was none). times: every step's seconds so far
+    (this one last), for the ETA."""
     seconds, eta = times[-1], np.mean(times) * steps_left
     # why updates were skipped (non-finite loss or gradient)
     skips = [u["skipped"] for u in updates if u["skipped"]]
@@ -255,13 +254,14 @@ def step_metrics(
     )
 
 
-def log_step(path, step, args, m, reward_names):
+def log_step(log, step, steps, beta, m, reward_names):
+    """Step `step` (of `steps`) on the progress line and in the log; the KL only when β > 0."""
     per_fn = " ".join(
         f"{n} {m[f'rewards/{n}']:.3f}±{m[f'rewards/{n}_std']:.2f}" for n in reward_names
     )
-    kl = f" | kl {m['kl']:.4f}" if args.beta > 0 else ""
+    kl = f" | kl {m['kl']:.4f}" if beta > 0 else ""
     print(
-        f"step {step}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
+        f"step {step}/{steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f}±{m['reward_std']:.2f} | "
         f"{per_fn}{kl} | clip {m['clip_frac']:.3f} | ent {m['entropy']:.2f} | len {m['completion_len_mean']:.0f}/"
         f"{m['completion_len_max']} | zero-std {m['frac_zero_std']:.2f} | lr {m['lr']:.2e} | {m['step_time']:.2f}s | "
         f"{m['tokens_per_s']:.0f} tok/s | eta {format_seconds(m['eta_s'])}"
@@ -283,12 +283,12 @@ def log_step(path, step, args, m, reward_names):
         ),
         flush=True,
     )
-    write_log(path, {"step": step, **m})
+    log.write({"step": step, **m})
 
 
 def write_log(path, row):
-    """Append one row to metrics.jsonl, then send it to the log's trackers (if any). A write that fails (a full disk)
-    is cut back off the file, so no torn line is left, and is a WriteFailed: the run stops without saving, and
+    """Append one row to metrics.jsonl. A write that fails (a full disk) is cut back off the
+    file, so no torn line is left, and is a WriteFailed: the run stops without saving, and
     --resume redoes the steps since its checkpoint."""
     line = (json.dumps(row) + "\n").encode()
     try:
@@ -310,9 +310,6 @@ def write_log(path, row):
             f"{os.path.dirname(path) or '.'} stands. Free space (or move the run elsewhere), then rerun with --resume "
             "(--overwrite if no checkpoint was saved yet)."
         ) from None
-    opened = OPEN_TRACKERS.get(os.path.abspath(path))
-    if opened is not None:
-        opened.log(row)
 
 
 def print_header(args, model):
@@ -336,7 +333,8 @@ def format_seconds(s):
 
 
 def print_eval_progress(done, total, seconds):
-    """One line per evaluation batch: questions done (this rank's), time so far and about how long is left."""
+    """One line per evaluation batch: questions done (this rank's), time so far and about how
+    long is left."""
     left = seconds / done * (total - done) if done else 0.0
     print(
         f"  eval: {done}/{total} questions, {format_seconds(seconds)}, about {format_seconds(left)} left",
@@ -344,32 +342,32 @@ def print_eval_progress(done, total, seconds):
     )
 
 
-def print_sample(args, step, prompt, responses, rewards, answer):
-    """Every --sample-every steps, the first completion of a group (responses, with their rewards [G]) on stdout;
-    the whole group, with its prompt and reference answer, to the run's trackers (--report-to)."""
-    if args.sample_every <= 0 or step % args.sample_every:
+def print_sample(log, every, step, prompt, responses, rewards, answer):
+    """Every --sample-every steps, the first completion of a group (responses, with their rewards
+    [G]) on stdout; the whole group, with its prompt and reference answer, to the run's trackers
+    (--report-to)."""
+    if every <= 0 or step % every:
         return
     print(
         f"--- sample at step {step}: reward {float(rewards[0]):.2f}, reference answer {answer}\n"
         f"[prompt, last 300 characters]\n{prompt[-300:]}\n[completion]\n{responses[0]}\n---",
         flush=True,
     )
-    opened = OPEN_TRACKERS.get(os.path.abspath(os.path.join(args.output_dir, "metrics.jsonl")))
-    if opened is not None:
+    if log.trackers is not None:
         answer = answer if isinstance(answer, str) else json.dumps(answer, default=str)
         samples = [
             dict(prompt=prompt, completion=text, reward=float(reward), answer=answer)
             for text, reward in zip(responses, rewards)
         ]
-        opened.log_samples(step, samples)
+        log.samples(step, samples)
 
 
-def print_eval_table(evals, count, args):
-    """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the last."""
+def print_eval_table(evals, count, samples, temperature):
+    """The held-out table: each reward's mean (and pass@k) at the first evaluation and at the
+    last."""
     (first, before), (last, after) = evals[0], evals[-1]
     print(
-        f"\neval on {count} questions x {args.eval_samples} samples (T={args.eval_temperature}), "
-        f"step {first} -> {last}"
+        f"\neval on {count} questions x {samples} samples (T={temperature}), step {first} -> {last}"
     )
     width = max(len(name) for name in before) + 2
     print(f"  {'':<{width}}{'before':>8}{'after':>8}{'change':>9}")

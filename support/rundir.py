@@ -1,9 +1,10 @@
-"""The output directory of a run: one run in it, and one process at a time (train.main claims it before the model
-loads).
+"""The output directory of a run: one run in it, and one process at a time (train.main claims it
+before the model loads).
 
-A fresh run into a directory that holds a run is refused (or, with --overwrite, the earlier run's files are removed
-first); a live run holds OUTPUT_DIR/.lock, so a second process is refused while it runs, and a directory that cannot
-be written is refused before anything is loaded. The files themselves are checkpoint.py's and report.py's.
+A fresh run into a directory that holds a run is refused (or, with --overwrite, the earlier run's
+files are removed first); a live run holds OUTPUT_DIR/.lock, so a second process is refused while it
+runs, and a directory that cannot be written is refused before anything is loaded. The files
+themselves are checkpoint.py's and report.py's.
 """
 
 import contextlib
@@ -16,13 +17,14 @@ import socket
 import sys
 import time
 
-from support import distributed, report
+from support import distributed
 from support.checkpoint import checkpoint_step
-from support.errors import UserError
+from support.errors import UserError, failure
 
 LOCK = ".lock"
-# What a run writes into its output directory (removed by --overwrite, the last one last: a removal cut short still
-# leaves a directory that holds a run, refused without --overwrite, never a mix of two runs).
+# What a run writes into its output directory (removed by --overwrite, the last one last: a removal
+# cut short still leaves a directory that holds a run, refused without --overwrite, never a mix of
+# two runs).
 RUN_FILES = (
     "checkpoint.tmp",
     "checkpoint.old",
@@ -37,17 +39,20 @@ RUN_FILES = (
 
 @contextlib.contextmanager
 def claim_output_dir(args):
-    """The output directory for this run, held until the block ends; entered before the model loads (train.main).
+    """The output directory for this run, held until the block ends; entered before the model loads
+    (train.main).
 
-    - A directory that cannot be created or written to (read-only, a file in the way, a full disk) is refused.
-    - A live run holds OUTPUT_DIR/.lock (flock: the kernel drops it when its process ends, however it ends, so a lock
-      left by a killed run blocks nothing); a second process is refused, naming the holder's pid and host.
-    - A fresh run (no --resume) into a directory that holds a run (metrics.jsonl with rows, checkpoint/ or
-      checkpoint.old/) is refused, naming what it holds and the ways on; with --overwrite that run's files are removed
-      first. --overwrite has no effect with --resume.
+    - A directory that cannot be created or written to (read-only, a file in the way, a full disk)
+      is refused.
+    - A live run holds OUTPUT_DIR/.lock (flock: the kernel drops it when its process ends, however
+      it ends, so a lock left by a killed run blocks nothing); a second process is refused, naming
+      the holder's pid and host.
+    - A fresh run (no --resume) into a directory that holds a run (metrics.jsonl with rows,
+      checkpoint/ or checkpoint.old/) is refused, naming what it holds and the ways on; with
+      --overwrite that run's files are removed first. --overwrite has no effect with --resume.
 
-    Under torchrun rank 0 alone does this (the others write nothing), and every rank raises its refusal. --eval-only
-    writes no run: nothing is claimed."""
+    Under torchrun rank 0 alone does this (the others write nothing), and every rank raises its
+    refusal. --eval-only writes no run: nothing is claimed."""
     if args.eval_only:
         yield None
         return
@@ -75,9 +80,10 @@ def claim_output_dir(args):
 
 
 class OutputDirLock:
-    """OUTPUT_DIR/.lock held with flock(LOCK_EX | LOCK_NB) while the run is live, with the holder's pid and host in it
-    (for the message a second process gets). Released (and the file removed) when the run ends; a killed run's file
-    stays behind and blocks nothing. Also the probe for a directory this process cannot write to."""
+    """OUTPUT_DIR/.lock held with flock(LOCK_EX | LOCK_NB) while the run is live, with the
+    holder's pid and host in it (for the message a second process gets). Released (and the file
+    removed) when the run ends; a killed run's file stays behind and blocks nothing. Also the
+    probe for a directory this process cannot write to."""
 
     def __init__(self, output_dir):
         self.path = os.path.join(output_dir, LOCK)
@@ -92,15 +98,15 @@ class OutputDirLock:
         except OSError as e:
             self.release()
             raise UserError(
-                f"--output-dir {output_dir} cannot be written to ({report.failure(e)}"
+                f"--output-dir {output_dir} cannot be written to ({failure(e)}"
                 + (f": {e.filename}" if getattr(e, "filename", None) else "")
                 + "). Pass a directory you can write to (it is created if missing), with room for the checkpoints."
             ) from None
 
     def acquire(self):
-        """The lock file's descriptor, locked. A run that ends removes the file while it holds the lock; a process
-        that opened it just before then locks a removed file, so it checks that the path still names what it locked,
-        and otherwise tries again."""
+        """The lock file's descriptor, locked. A run that ends removes the file while it holds
+        the lock; a process that opened it just before then locks a removed file, so it checks
+        that the path still names what it locked, and otherwise tries again."""
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -142,16 +148,17 @@ class OutputDirLock:
 
 
 def probe_writable(directory):
-    """OSError when no file can be created in `directory` (read-only, no permission, a read-only filesystem)."""
+    """OSError when no file can be created in `directory` (read-only, no permission, a read-only
+    filesystem)."""
     probe = os.path.join(directory, f".write-test-{os.getpid()}")
     os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     os.remove(probe)
 
 
 def prepare_output_dir(args):
-    """A fresh run's directory must hold no run: UserError naming what it holds and the ways on, or, with --overwrite,
-    that run's files removed (said in one line)."""
-    held = run_in(args.output_dir)
+    """A fresh run's directory must hold no run: UserError naming what it holds and the ways on,
+    or, with --overwrite, that run's files removed (said in one line)."""
+    held = earlier_run_in_words(args.output_dir)
     if args.resume:
         if args.overwrite:
             print("--overwrite has no effect with --resume: the run continues", file=sys.stderr)
@@ -177,7 +184,7 @@ def prepare_output_dir(args):
                 os.remove(path)
         except OSError as e:
             raise UserError(
-                f"--overwrite: could not remove {path} ({report.failure(e)}). Remove the earlier run's files "
+                f"--overwrite: could not remove {path} ({failure(e)}). Remove the earlier run's files "
                 "yourself, or pass another --output-dir."
             ) from None
     print(
@@ -185,9 +192,10 @@ def prepare_output_dir(args):
     )
 
 
-def run_in(output_dir):
-    """What of a run `output_dir` holds, in words: metrics.jsonl with rows, checkpoint/, checkpoint.old/ (empty: none).
-    Cheap: the rows are counted, not parsed, and a checkpoint's step is read memory-mapped."""
+def earlier_run_in_words(output_dir):
+    """What of a run `output_dir` holds, in words: metrics.jsonl with rows, checkpoint/,
+    checkpoint.old/ (empty: none). Cheap: the rows are counted, not parsed, and a checkpoint's
+    step is read memory-mapped."""
     held = []
     metrics = os.path.join(output_dir, "metrics.jsonl")
     if os.path.isfile(metrics):

@@ -1,22 +1,24 @@
-"""Trackers: a run's metrics.jsonl, also in TensorBoard and/or Weights & Biases (--report-to tensorboard,wandb).
+"""Trackers: a run's metrics.jsonl, also in TensorBoard and/or Weights & Biases (--report-to
+tensorboard,wandb).
 
     python train.py --demo --report-to tensorboard --output-dir runs/demo-tb
     tensorboard --logdir runs/demo-tb/tensorboard
     WANDB_MODE=offline python train.py --demo --report-to wandb --output-dir runs/demo-wandb
     wandb sync runs/demo-wandb/wandb/offline-*
 
-Every row of metrics.jsonl (a training step's, an evaluation's) goes to each tracker under the same names, at its step:
-the training step is the step axis. So do the run's flags (W&B: the run's config; TensorBoard: a text "flags") and,
-every --sample-every steps, the step's first group of completions with their rewards (a W&B table, a TensorBoard
-text, both "samples"). report.py feeds them as it writes metrics.jsonl, which stays the record: train.py's loop never
-sees a tracker.
+Every row of metrics.jsonl (a training step's, an evaluation's) goes to each tracker under the same
+names, at its step: the training step is the step axis. So do the run's flags (W&B: the run's
+config; TensorBoard: a text "flags") and, every --sample-every steps, the step's first group of
+completions with their rewards (a W&B table, a TensorBoard text, both "samples"). report.py feeds
+them as it writes metrics.jsonl, which stays the record: train.py's loop never sees a tracker.
 
-Both packages are optional extras, imported only when --report-to names them; a missing one is one paragraph before
-any model loads (parse). A tracker that cannot start stops the run before its first step (nothing trained yet, and
-it was asked for); one that fails later is said once and dropped, and the training goes on. --resume continues the
-same W&B run (its id is kept in OUTPUT_DIR/wandb_run_id) and the same TensorBoard step axis (the steps a crashed run
-logged after its checkpoint are purged); a fresh run, --overwrite included, starts both afresh. Under torchrun rank 0
-alone reports. docs/logging.md has the details.
+Both packages are optional extras, imported only when --report-to names them; a missing one is one
+paragraph before any model loads (parse). A tracker that cannot start stops the run before its first
+step (nothing trained yet, and it was asked for); one that fails later is said once and dropped, and
+the training goes on. --resume continues the same W&B run (its id is kept in
+OUTPUT_DIR/wandb_run_id) and the same TensorBoard step axis (the steps a crashed run logged after
+its checkpoint are purged); a fresh run, --overwrite included, starts both afresh. Under torchrun
+rank 0 alone reports. docs/logging.md has the details.
 """
 
 import contextlib
@@ -36,8 +38,9 @@ RUN_ID_FILE = "wandb_run_id"  # in OUTPUT_DIR: the W&B run that --resume continu
 
 
 def parse(value):
-    """--report-to's value (comma-separated names, or a list of them) as a list of tracker names; none: []. An unknown
-    name, or a name whose package does not import, is a UserError: checked with the flags, before any model loads."""
+    """--report-to's value (comma-separated names, or a list of them) as a list of tracker names;
+    none: []. An unknown name, or a name whose package does not import, is a UserError: checked
+    with the flags, before any model loads."""
     names = []
     for name in value if isinstance(value, list) else value.split(","):
         name = name.strip().lower()
@@ -63,9 +66,10 @@ def parse(value):
 
 
 def start(args, output_dir, resumed_at=None):
-    """The trackers args.report_to names, started for the run in output_dir; resumed_at: the checkpoint's step that
-    a resumed run continues from (None: a fresh run). Every rank calls this, and rank 0 alone gets trackers. One that
-    cannot start (W&B not logged in, a directory not writable) is a UserError on every rank."""
+    """The trackers args.report_to names, started for the run in output_dir; resumed_at: the
+    checkpoint's step that a resumed run continues from (None: a fresh run). Every rank calls
+    this, and rank 0 alone gets trackers. One that cannot start (W&B not logged in, a directory
+    not writable) is a UserError on every rank."""
     names = getattr(args, "report_to", None) or []
     started, problem = [], None
     if distributed.is_main():
@@ -87,8 +91,9 @@ def start(args, output_dir, resumed_at=None):
 
 
 class Trackers:
-    """The started trackers of a run: each call goes to each of them. One that raises is said once on stderr and
-    dropped, so a tracker's failure never stops the training (metrics.jsonl keeps every row)."""
+    """The started trackers of a run: each call goes to each of them. One that raises is said
+    once on stderr and dropped, so a tracker's failure never stops the training (metrics.jsonl
+    keeps every row)."""
 
     def __init__(self, started):
         self.live = list(started)
@@ -127,8 +132,9 @@ def flags(args):
 
 
 class TensorBoard:
-    """Event files in OUTPUT_DIR/tensorboard: each number as a scalar (a double: the very value metrics.jsonl holds),
-    each text field, the flags and the samples as text (TensorBoard names those <name>/text_summary)."""
+    """Event files in OUTPUT_DIR/tensorboard: each number as a scalar (a double: the very value
+    metrics.jsonl holds), each text field, the flags and the samples as text (TensorBoard names
+    those <name>/text_summary)."""
 
     name = "tensorboard"
 
@@ -138,9 +144,10 @@ class TensorBoard:
         log_dir = os.path.join(output_dir, "tensorboard")
         if resumed_at is None and os.path.isdir(log_dir):
             shutil.rmtree(log_dir)  # a fresh run: none of an earlier run's events on its axis
-        # Each session opens with a restart marker (a SessionLog.START event) at the first step it logs. TensorBoard
-        # takes the first as the run's start and a later one as a restart, dropping what earlier sessions logged from
-        # its step on (a crashed run logs past its checkpoint): the steps a resumed run logs again appear once.
+        # Each session opens with a restart marker (a SessionLog.START event) at the first step it
+        # logs. TensorBoard takes the first as the run's start and a later one as a restart,
+        # dropping what earlier sessions logged from its step on (a crashed run logs past its
+        # checkpoint): the steps a resumed run logs again appear once.
         first = 0 if resumed_at is None else resumed_at + 1
         self.writer = SummaryWriter(log_dir, purge_step=first)
         # each session's flags at the step it starts from
@@ -169,8 +176,9 @@ class TensorBoard:
 
 
 def samples_markdown(samples):
-    """The samples as Markdown for TensorBoard's text tab: the prompt and its reference answer once, then each
-    completion with its reward, the texts as code blocks (shown as written, whatever they hold)."""
+    """The samples as Markdown for TensorBoard's text tab: the prompt and its reference answer
+    once, then each completion with its reward, the texts as code blocks (shown as written,
+    whatever they hold)."""
     first = samples[0]
     parts = [f"**prompt** (reference answer: {first['answer']})", code_block(first["prompt"])]
     for i, sample in enumerate(samples, 1):
@@ -182,15 +190,16 @@ def samples_markdown(samples):
 
 
 def code_block(text):
-    """`text` as a Markdown code block: every line indented by four spaces (no fence its text could close)."""
+    """`text` as a Markdown code block: every line indented by four spaces (no fence its text
+    could close)."""
     return "\n".join("    " + line for line in text.splitlines()) or "    (empty)"
 
 
 class WandB:
-    """A W&B run: each row at its step (W&B's step is the training step), the flags as the run's config, a table of
-    samples. W&B's own environment decides the rest: WANDB_MODE=offline (no network: wandb sync later),
-    WANDB_PROJECT (else "grpo"), WANDB_ENTITY, WANDB_NAME (else the output directory's name), WANDB_DIR (else
-    OUTPUT_DIR), WANDB_API_KEY."""
+    """A W&B run: each row at its step (W&B's step is the training step), the flags as the run's
+    config, a table of samples. W&B's own environment decides the rest: WANDB_MODE=offline (no
+    network: wandb sync later), WANDB_PROJECT (else "grpo"), WANDB_ENTITY, WANDB_NAME (else the
+    output directory's name), WANDB_DIR (else OUTPUT_DIR), WANDB_API_KEY."""
 
     name = "wandb"
 
@@ -212,8 +221,9 @@ class WandB:
         )
         with open(id_file, "w") as f:
             f.write(self.run.id + "\n")
-        # W&B's steps only go up: a run continued online starts after the last step it holds, which may be past
-        # the checkpoint (a crashed run logs on). Those steps are not sent again (the same values: resume is exact).
+        # W&B's steps only go up: a run continued online starts after the last step it holds, which
+        # may be past the checkpoint (a crashed run logs on). Those steps are not sent again (the
+        # same values: resume is exact).
         self.first_step, self.skipped = self.run.starting_step, False
 
     def log(self, row):

@@ -1,8 +1,8 @@
-"""Shared helpers of the tests in tests/: the CPU pinning, tiny models, tiny training runs and their metrics, data files.
+"""Shared helpers of the tests in tests/: the CPU pinning, tiny models, tiny training runs and their
+metrics, data files.
 
-Plain functions, imported as `from helpers import ...` (pyproject.toml puts the repository root and tests/ on the
-import path).
-TOL: see test_grpo.py's docstring.
+Plain functions, imported as `from helpers import ...` (pyproject.toml puts the repository root and
+tests/ on the import path). TOL: see test_grpo.py's docstring.
 """
 
 import dataclasses
@@ -24,10 +24,11 @@ from support import checkpoint, decode, demo
 
 TOL = 1e-6  # see test_grpo.py's docstring
 
-# Every run and every flag parse here is pinned to the CPU: --device auto would pick CUDA (and bf16) on a machine with
-# a GPU, and the exactness these tests check (bit-identical resume, eager == compiled, gradients to 1e-6) is fp32 CPU
-# exactness; two torchrun ranks would share one GPU. Subprocesses that run FSDP2 also get CUDA_VISIBLE_DEVICES="":
-# fully_shard's default mesh is the machine's accelerator, whatever device the model is on.
+# Every run and every flag parse here is pinned to the CPU: --device auto would pick CUDA (and bf16)
+# on a machine with a GPU, and the exactness these tests check (bit-identical resume, eager ==
+# compiled, gradients to 1e-6) is fp32 CPU exactness; two torchrun ranks would share one GPU.
+# Subprocesses that run FSDP2 also get CUDA_VISIBLE_DEVICES="": fully_shard's default mesh is the
+# machine's accelerator, whatever device the model is on.
 CPU = ["--device", "cpu"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -47,7 +48,8 @@ def tiny_llama(seed=0):
 
 
 def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=5, seed=0):
-    """Prompts of different lengths, left-padded to P, each repeated G times, then random completions."""
+    """Prompts of different lengths, left-padded to P, each repeated G times, then random
+    completions."""
     gen = torch.Generator().manual_seed(seed)
     b, p = len(prompt_lengths), max(prompt_lengths)
     prompt = torch.randint(3, 97, (b, p), generator=gen)
@@ -63,7 +65,8 @@ def left_padded_batch(group_size=4, prompt_lengths=(7, 4, 2), completion_length=
 
 
 def tiny_argv(out_dir, *extra):
-    """A fast demo run on the CPU: no warm-up, 4 prompts x G=4 per step in 2 micro-batches, 1 step, no eval."""
+    """A fast demo run on the CPU: no warm-up, 4 prompts x G=4 per step in 2 micro-batches, 1
+    step, no eval."""
     return [
         *CPU,
         *"--demo --demo-warmup-steps 0 --output-dir".split(),
@@ -75,14 +78,15 @@ def tiny_argv(out_dir, *extra):
 
 
 def varied_reward(completions, answers):
-    """A reward that differs within every group of an untrained model's completions (their lengths differ), so each
-    step has a learning signal without the demo's warm-up. Same contract as rewards.py."""
+    """A reward that differs within every group of an untrained model's completions (their
+    lengths differ), so each step has a learning signal without the demo's warm-up. Same contract
+    as rewards.py."""
     return [float(len(c) % 5) for c in completions]
 
 
 def run_tiny(out_dir, *extra, reward=varied_reward):
-    """train.py with tiny_argv's flags, on the demo's task with `reward` as its reward function: the task is handed
-    to train(), as your own task would be."""
+    """train.py with tiny_argv's flags, on the demo's task with `reward` as its reward function:
+    the task is handed to train(), as your own task would be."""
     args = config.parse_args(tiny_argv(out_dir, *extra))
     resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
     task, model, tokenizer = train.setup(args, resume_dir)
@@ -100,7 +104,8 @@ def without_time(rows):
 
 
 def assert_same_run(straight, resumed):
-    """The resumed run logged exactly the uninterrupted one's metrics and ended with bit-identical weights."""
+    """The resumed run logged exactly the uninterrupted one's metrics and ended with
+    bit-identical weights."""
     assert without_time(read_metrics(resumed)) == without_time(read_metrics(straight))
     final = [
         AutoModelForCausalLM.from_pretrained(d / "checkpoint").state_dict()
@@ -125,7 +130,8 @@ def write_gsm8k(path, n=6):
 
 
 def tiny_model_dir(tmp_path):
-    """The demo's tiny Llama + tokenizer saved as an ordinary model directory, for the GSM8K code path."""
+    """The demo's tiny Llama + tokenizer saved as an ordinary model directory, for the GSM8K code
+    path."""
     model, tokenizer = demo.model_and_tokenizer(seed=0)
     path = tmp_path / "tiny-model"
     model.save_pretrained(path)
@@ -134,7 +140,8 @@ def tiny_model_dir(tmp_path):
 
 
 def tiny_rollouts(completion_mask, group_size=4, prompt_length=3, seed=0):
-    """Rollouts of random ids for the demo's vocabulary: prompts of prompt_length tokens, no padding."""
+    """Rollouts of random ids for the demo's vocabulary: prompts of prompt_length tokens, no
+    padding."""
     torch.manual_seed(seed)
     n, c = completion_mask.shape
     prompts = torch.randint(3, 26, (n // group_size, prompt_length)).repeat_interleave(
@@ -151,7 +158,8 @@ def write_rows(path, rows):
 
 
 def own_task_argv(tmp_path, *extra):
-    """A run on your own JSONL (4 rows, a field `id`) with the tiny model: 4 prompts x G=2, 1 step, no eval."""
+    """A run on your own JSONL (4 rows, a field `id`) with the tiny model: 4 prompts x G=2, 1
+    step, no eval."""
     rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1), "id": i} for i in range(4)]
     return [
         *CPU,
@@ -168,7 +176,8 @@ def own_task_argv(tmp_path, *extra):
 
 
 def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
-    """A randomly initialized Llama sequence classifier over the demo's words, saved with its tokenizer."""
+    """A randomly initialized Llama sequence classifier over the demo's words, saved with its
+    tokenizer."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
@@ -209,7 +218,8 @@ def torchrun_command(out_dir, *argv, nproc=2):
 
 
 def torchrun_env():
-    """The ranks' environment: offline, one thread, no GPU, and tests/ importable (--reward-fn helpers:...)."""
+    """The ranks' environment: offline, one thread, no GPU, and tests/ importable (--reward-fn
+    helpers:...)."""
     tests = os.path.join(ROOT, "tests")
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **NO_GPU)
@@ -231,10 +241,10 @@ def torchrun(out_dir, *argv, nproc=2):
 def decode_with_drawn_logprobs(
     model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
 ):
-    """decode.decode's [B*G, C] completions, and [B*G, C] the log-prob each token was drawn with (0 after EOS),
-    recorded from decode.sample_tokens (decode itself keeps no log-probs: training recomputes them). Eager decode
-    samples, at token t, the rows that have written no EOS before t, in order; compiled, every planned row (the real
-    rows first)."""
+    """decode.lean_decode's [B*G, C] completions, and [B*G, C] the log-prob each token was drawn
+    with (0 after EOS), recorded from decode.sample_tokens (decode itself keeps no log-probs:
+    training recomputes them). Eager decode samples, at token t, the rows that have written no
+    EOS before t, in order; compiled, every planned row (the real rows first)."""
     drawn_per_token, real = [], decode.sample_tokens
 
     def recording(logits, settings, uniforms=None):
@@ -243,7 +253,7 @@ def decode_with_drawn_logprobs(
         return token, logp
 
     with mock.patch.object(decode, "sample_tokens", recording):
-        completions = decode.decode(
+        completions = decode.lean_decode(
             model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
         )
     n, C = completions.shape

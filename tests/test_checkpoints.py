@@ -1,7 +1,8 @@
-"""The output directory and the files in it: one run per directory (a refusal naming it and the ways on, --overwrite,
-a lock while a run is live that a killed run does not leave held), a full disk in any write (the errors the libraries
-really raise: a file size limit in process, a small tmpfs where the test can mount one), a read-only directory, damaged
-checkpoints and metrics.jsonl on --resume, and a save refusing non-finite weights.
+"""The output directory and the files in it: one run per directory (a refusal naming it and the ways
+on, --overwrite, a lock while a run is live that a killed run does not leave held), a full disk in
+any write (the errors the libraries really raise: a file size limit in process, a small tmpfs where
+the test can mount one), a read-only directory, damaged checkpoints and metrics.jsonl on --resume,
+and a save refusing non-finite weights.
 """
 
 import contextlib
@@ -26,7 +27,8 @@ from support import checkpoint, report
 
 
 def run_main(out_dir, *extra):
-    """train.main on tiny_argv's demo run, --save-every 1: the exit code (0 when it returned) and the run's result."""
+    """train.main on tiny_argv's demo run, --save-every 1: the exit code (0 when it returned) and
+    the run's result."""
     try:
         return 0, train.main(tiny_argv(out_dir, "--save-every", "1", *extra))
     except SystemExit as e:
@@ -56,15 +58,16 @@ def step_of(path):
     return checkpoint.load_state(str(path))["step"]
 
 
-# --- one run per output directory -------------------------------------------------------------------------------------
+# --- one run per output directory
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_it_before_the_model_loads(
     tmp_path, monkeypatch, capsys
 ):
-    """The same command typed twice (the default --output-dir is runs/<model>-seed<seed>) used to truncate the first
-    run's metrics.jsonl at start and replace its checkpoint at the first save."""
+    """The same command typed twice (the default --output-dir is runs/<model>-seed<seed>) used to
+    truncate the first run's metrics.jsonl at start and replace its checkpoint at the first save."""
     run = tmp_path / "run"
     assert run_main(run, "--steps", "2")[0] == 0
     before = snapshot(run)
@@ -88,14 +91,16 @@ def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_it_before_
 def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_leaves_no_mix(
     tmp_path, monkeypatch, capsys
 ):
-    """Before, the old checkpoint stayed until the new run's first save while metrics.jsonl was truncated at start: a
-    Ctrl-C in between left the old weights beside the new run's log. Now the old files go before the model loads."""
+    """Before, the old checkpoint stayed until the new run's first save while metrics.jsonl was
+    truncated at start: a Ctrl-C in between left the old weights beside the new run's log. Now
+    the old files go before the model loads."""
     run = tmp_path / "run"
     assert run_main(run, "--steps", "1")[0] == 0
     shutil.copytree(run / "checkpoint", run / "checkpoint.old")
     (run / "checkpoint.tmp").mkdir()
     assert (run / "curves.png").exists()
-    # the trackers' state too: a later --resume --report-to would otherwise continue the overwritten run's
+    # the trackers' state too: a later --resume --report-to would otherwise continue the overwritten
+    # run's
     (run / "tensorboard").mkdir()
     (run / "wandb_run_id").write_text("old-run\n")
 
@@ -118,9 +123,9 @@ def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_le
 
 @pytest.mark.slow
 def test_a_live_run_holds_its_directory_and_a_killed_one_blocks_nothing(tmp_path, capsys):
-    """A second process into a live run's directory (fresh or --resume) is refused naming the holder; --eval-only and
-    --plot write no run and take no lock. SIGKILL leaves .lock behind, but the kernel dropped the flock: --resume
-    goes on."""
+    """A second process into a live run's directory (fresh or --resume) is refused naming the
+    holder; --eval-only and --plot write no run and take no lock. SIGKILL leaves .lock behind,
+    but the kernel dropped the flock: --resume goes on."""
     run = tmp_path / "run"
     live = subprocess.Popen(
         [
@@ -188,14 +193,15 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_loads(
     )
 
 
-# --- a full disk in any write -----------------------------------------------------------------------------------------
+# --- a full disk in any write
+# --------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def file_size_limit(nbytes):
-    """RLIMIT_FSIZE for this process: the kernel fails any write past `nbytes` of a file (EFBIG, File too large), as a
-    full disk fails it (ENOSPC), inside the real libraries, without root. Python ignores SIGXFSZ, so the write
-    returns the error instead of killing the process."""
+    """RLIMIT_FSIZE for this process: the kernel fails any write past `nbytes` of a file (EFBIG,
+    File too large), as a full disk fails it (ENOSPC), inside the real libraries, without root.
+    Python ignores SIGXFSZ, so the write returns the error instead of killing the process."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
@@ -206,7 +212,8 @@ def file_size_limit(nbytes):
         signal.signal(signal.SIGXFSZ, handler)
 
 
-# the writer that fails: (its module or class, its name, the part of a checkpoint, what the error says)
+# the writer that fails: (its module or class, its name, the part of a checkpoint, what the error
+# says)
 WRITES = {
     "weights (safetensors)": (
         transformers.modeling_utils,
@@ -233,10 +240,11 @@ def straight(tmp_path_factory):
 def test_a_full_disk_in_any_write_is_one_paragraph_and_the_previous_checkpoint_stands(
     tmp_path, monkeypatch, capsys, straight, what
 ):
-    """The second call of the writer (step 2's checkpoint, or step 2's metrics line) runs out of room: torch.save
-    raised RuntimeError and safetensors SafetensorError, not OSError, so the run ended in a traceback; so did a
-    metrics line. Now: one paragraph, exit code 2, step 1's checkpoint byte for byte, no checkpoint.tmp, no torn line,
-    and --resume gives the uninterrupted run."""
+    """The second call of the writer (step 2's checkpoint, or step 2's metrics line) runs out of
+    room: torch.save raised RuntimeError and safetensors SafetensorError, not OSError, so the run
+    ended in a traceback; so did a metrics line. Now: one paragraph, exit code 2, step 1's
+    checkpoint byte for byte, no checkpoint.tmp, no torn line, and --resume gives the
+    uninterrupted run."""
     owner, name, part, words = WRITES[what]
     real, calls, kept = getattr(owner, name), [], {}
     run = tmp_path / "run"
@@ -280,9 +288,10 @@ def test_a_full_disk_in_any_write_is_one_paragraph_and_the_previous_checkpoint_s
 
 
 def in_a_small_filesystem(tmp_path, size_kib, command, read_only=False):
-    """Run `command` (a shell line; $MNT is the mount point) with a tmpfs of `size_kib` KiB mounted at $MNT, in a
-    mount namespace of its own (unshare: as an unprivileged user where user namespaces are allowed, the mount vanishes
-    with the process). Skips the test where no such filesystem can be mounted, saying why."""
+    """Run `command` (a shell line; $MNT is the mount point) with a tmpfs of `size_kib` KiB
+    mounted at $MNT, in a mount namespace of its own (unshare: as an unprivileged user where user
+    namespaces are allowed, the mount vanishes with the process). Skips the test where no such
+    filesystem can be mounted, saying why."""
     mnt = tmp_path / "mnt"
     mnt.mkdir(exist_ok=True)
     options = f"size={size_kib}k" + (",ro" if read_only else "")
@@ -313,8 +322,9 @@ def in_a_small_filesystem(tmp_path, size_kib, command, read_only=False):
 @pytest.mark.slow
 @pytest.mark.parametrize("fails", ["model.safetensors", "training_state.pt"])
 def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight, fails):
-    """A tmpfs with room for one checkpoint and a part of the next: the second save runs out of space (ENOSPC) in
-    safetensors or in torch.save. The run ends in one paragraph, exit code 2, step 1's checkpoint whole."""
+    """A tmpfs with room for one checkpoint and a part of the next: the second save runs out of
+    space (ENOSPC) in safetensors or in torch.save. The run ends in one paragraph, exit code 2,
+    step 1's checkpoint whole."""
     page = os.sysconf("SC_PAGE_SIZE")
     pages = {
         name: math.ceil(len(data) / page)
@@ -322,7 +332,8 @@ def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight
     }
     weights, state = pages["model.safetensors"], pages["training_state.pt"]
     small = sum(pages.values()) - weights - state
-    # a checkpoint, metrics.jsonl and .lock; then room for half the weights, or for all but half the training state
+    # a checkpoint, metrics.jsonl and .lock; then room for half the weights, or for all but half the
+    # training state
     room = weights // 2 if fails == "model.safetensors" else weights + small + state // 2
     train_py = " ".join(
         [sys.executable, os.path.join(ROOT, "train.py"), *tiny_argv("$MNT/run", "--steps", "3")]
@@ -371,7 +382,8 @@ def test_a_read_only_filesystem_is_refused_before_the_model_loads(tmp_path):
     assert "demo:" not in result.stdout  # the demo's model was never built
 
 
-# --- damaged checkpoints and metrics.jsonl on --resume ----------------------------------------------------------------
+# --- damaged checkpoints and metrics.jsonl on --resume
+# --------------------------------------------------------------------------------------------------
 
 
 def cut_in_half(path):
@@ -408,8 +420,8 @@ DAMAGE = {
 def test_a_damaged_checkpoint_is_one_paragraph_or_resume_falls_back_to_a_whole_checkpoint_old(
     tmp_path, monkeypatch, capsys, case
 ):
-    """Each used to be a traceback on --resume (torch.load, safetensors, AutoConfig or peft). verify() reads headers,
-    not tensors: cheap for a 14 GB training_state.pt."""
+    """Each used to be a traceback on --resume (torch.load, safetensors, AutoConfig or peft).
+    verify() reads headers, not tensors: cheap for a 14 GB training_state.pt."""
     name, damage, problem = DAMAGE[case]
     lora = ["--lora-rank", "2"] if name.startswith("adapter/") else []
     run = tmp_path / "run"
@@ -450,8 +462,8 @@ def test_a_damaged_checkpoint_is_one_paragraph_or_resume_falls_back_to_a_whole_c
 def test_a_damaged_line_of_metrics_jsonl_on_resume_is_one_paragraph_naming_it(
     tmp_path, capsys, line, problem
 ):
-    """A non-object line was a traceback on --resume, and a torn line in the middle (not the last: a kill tears only
-    the last) was skipped silently."""
+    """A non-object line was a traceback on --resume, and a torn line in the middle (not the
+    last: a kill tears only the last) was skipped silently."""
     run = tmp_path / "run"
     assert run_main(run, "--steps", "2")[0] == 0
     rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
@@ -461,14 +473,16 @@ def test_a_damaged_line_of_metrics_jsonl_on_resume_is_one_paragraph_naming_it(
     assert one_paragraph(capsys).startswith(f"error: {run}/metrics.jsonl:2 {problem}")
 
 
-# --- non-finite weights are never saved -------------------------------------------------------------------------------
+# --- non-finite weights are never saved
+# --------------------------------------------------------------------------------------------------
 
 
 def test_a_save_with_non_finite_weights_replaces_nothing_and_names_the_checkpoint_that_stands(
     tmp_path, monkeypatch, capsys
 ):
-    """NaN in one weight (whatever put it there: the optimizer guard checks the updates) at step 2's save: the save
-    is refused on every rank, step 1's checkpoint stays byte for byte, and the way out does not try again."""
+    """NaN in one weight (whatever put it there: the optimizer guard checks the updates) at step
+    2's save: the save is refused on every rank, step 1's checkpoint stays byte for byte, and the
+    way out does not try again."""
     run, real, calls, kept = tmp_path / "run", checkpoint.save_run, [], {}
 
     def nan_before_the_second_save(run_, *args, **kwargs):

@@ -1,6 +1,6 @@
-"""The shape of the code, as the README promises it: its equation map points at lines of grpo.py, grpo.py imports
-torch alone, and train() is labelled with Algorithm 1's lines in order. Files are read relative to the repository
-root (helpers.ROOT).
+"""The shape of the code, as the README promises it: its equation map points at lines of grpo.py,
+grpo.py imports torch alone, and train() is labelled with Algorithm 1's lines in order. Files are
+read relative to the repository root (helpers.ROOT).
 """
 
 import ast
@@ -46,8 +46,9 @@ def test_grpo_py_depends_on_torch_alone():
 
 
 def test_train_reads_as_algorithm_1_every_numbered_line_in_order():
-    # DeepSeekMath's Algorithm 1, lines 1 and 3 to 11, each labelled in train() where it happens, in the paper's
-    # order (line 2, the outer loop, and line 12, the reward model's update, have no code: one outer iteration).
+    # DeepSeekMath's Algorithm 1, lines 1 and 3 to 11, each labelled in train() where it happens, in
+    # the paper's order (line 2, the outer loop, and line 12, the reward model's update, have no
+    # code: one outer iteration).
     tree = ast.parse(source("train.py"))
     (train,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
     body = source("train.py").splitlines()[train.lineno - 1 : train.end_lineno]
@@ -60,7 +61,8 @@ def test_train_reads_as_algorithm_1_every_numbered_line_in_order():
 
 
 def test_readme_file_tree_names_every_file_and_folder_at_the_root_and_nothing_else():
-    # The tree in the README's "The files" section: one entry per root .py file and per folder of code or docs.
+    # The tree in the README's "The files" section: one entry per root .py file and per folder of
+    # code or docs.
     tree = source("README.md").split("## The files")[1].split("```")[1]
     named = {line.split()[0] for line in tree.strip().splitlines() if not line.startswith(" ")}
     at_root = {
@@ -78,7 +80,8 @@ def test_the_root_holds_at_most_10_python_files_and_every_other_test_is_in_tests
 
 @pytest.mark.slow
 def test_grpo_py_and_test_grpo_py_copied_alone_into_an_empty_directory_pass(tmp_path):
-    # The pair people copy: test_grpo.py needs grpo.py, torch and pytest, nothing of this repository.
+    # The pair people copy: test_grpo.py needs grpo.py, torch and pytest, nothing of this
+    # repository.
     for name in ("grpo.py", "test_grpo.py"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -96,7 +99,8 @@ def test_grpo_py_and_test_grpo_py_copied_alone_into_an_empty_directory_pass(tmp_
 
 
 def test_readme_algorithm_1_map_names_code_that_exists():
-    # Each `name` in the map's second column: a loop header of train(), a function of train.py, or module.function.
+    # Each `name` in the map's second column: a loop header of train(), a function of train.py, or
+    # module.function.
     table = source("README.md").split("## Algorithm 1 to code")[1].split("\n\n")[2]
     names = [
         n for row in table.splitlines()[2:] for n in re.findall(r"`([^`]+)`", row.split(" | ")[1])

@@ -1,5 +1,6 @@
-"""data.py: loading GSM8K (and its download cache), prompts and the system prompt, batches as a pure function of seed
-and step, and your own task's JSONL rows and held-out rows. Files are written under tmp_path; nothing is downloaded.
+"""data.py: loading GSM8K (and its download cache), prompts and the system prompt, batches as a
+pure function of seed and step, and your own task's JSONL rows and held-out rows. Files are
+written under tmp_path; nothing is downloaded.
 """
 
 import io
@@ -29,7 +30,7 @@ def write(tmp_path, text: str, name: str = "rows.jsonl") -> str:
     return str(path)
 
 
-# --- data.py: loading GSM8K -------------------------------------------------------------------------------------------
+# --- data.py: loading GSM8K -----------------------------------------------------------------------
 
 
 def test_load_gsm8k_parses_final_numbers_with_commas_and_negatives(tmp_path):
@@ -97,7 +98,7 @@ def test_load_gsm8k_downloads_once_then_reuses_the_cache(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "cache") == ["test.jsonl"]  # no temporary file left behind
 
 
-# --- data.py: prompts and the system prompt ---------------------------------------------------------------------------
+# --- data.py: prompts and the system prompt -------------------------------------------------------
 
 
 def test_system_prompt_asks_for_both_tags_and_shows_the_joel_example():
@@ -166,7 +167,7 @@ def test_system_prompt_takes_text_or_a_file_and_defaults_by_task(tmp_path):
         config.parse_args([*gsm8k, "--system-prompt", f"@{tmp_path / 'missing.txt'}"])
 
 
-# --- data.py: batches, a pure function of seed and step ---------------------------------------------------------------
+# --- data.py: batches, a pure function of seed and step -------------------------------------------
 
 
 def test_batches_shuffle_each_epoch_and_cover_every_row_once():
@@ -204,7 +205,7 @@ def test_an_extra_stream_of_batches_is_another_pure_function_of_seed_and_step():
     assert batch_at(rows, 4, 7, 3, stream=0) == batch_at(rows, 4, 7, 3)
 
 
-# --- your own task's data: any JSONL, its fields, its held-out rows ---------------------------------------------------
+# --- your own task's data: any JSONL, its fields, its held-out rows -------------------------------
 
 
 def test_any_jsonl_is_read_with_its_fields_as_they_are(tmp_path):
@@ -277,7 +278,7 @@ def test_the_demo_refuses_data_flags_but_takes_reward_flags(tmp_path):
     assert "rewards/format" in row and "rewards/correctness" not in row
 
 
-# --- --task addition: generated, deterministic, held-out pairs never trained on ---------------------------------------
+# --- --task addition: generated, deterministic, held-out pairs never trained on -------------------
 
 
 def pair(row):
@@ -289,13 +290,13 @@ def pair(row):
 def test_addition_rows_are_deterministic_and_held_out_pairs_are_never_trained_on():
     train_rows, held_out = data.addition_rows()
     assert (train_rows, held_out) == data.addition_rows()  # the seed alone decides
-    # 820 unordered pairs in [10, 49]: 200 held out, 620 trained on in both orders (40 of them doubles: one order)
+    # 820 unordered pairs in [10, 49]: 200 held out, 620 trained on in both orders (40 doubles: one)
     assert len(held_out) == 200 and len(train_rows) == 1209
     assert len({pair(r) for r in train_rows}) == 620 and len({pair(r) for r in held_out}) == 200
     assert not {pair(r) for r in train_rows} & {pair(r) for r in held_out}  # not even as B + A
     numbers = {n for r in train_rows + held_out for n in pair(r)}
     assert min(numbers) == 10 and max(numbers) == 49
-    # the first held-out questions, as generated from seed 0 (pinned: a change to the generator shows here)
+    # the first held-out questions, generated from seed 0 (pinned: a change to the generator shows)
     assert [r["prompt"] for r in held_out[:3]] == [
         "What is 34 + 22?",
         "What is 41 + 28?",

@@ -310,7 +310,7 @@ def test_missing_unreadable_and_misnamed_sources(hf, tmp_path):
 
 
 def test_a_split_saved_with_no_rows_is_one_paragraph(hf, tmp_path):
-    # datasets itself raises an IndexError loading a split saved after .select([]): a traceback before
+    # datasets itself raises an IndexError loading a split saved after .select([]): once a traceback
     empty = hf.Dataset.from_dict(OWN).select([])
     hf.DatasetDict(train=empty).save_to_disk(tmp_path / "empty")
     message = refused("--data", str(tmp_path / "empty"), *MAPPING)

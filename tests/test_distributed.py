@@ -1,5 +1,6 @@
-"""Data parallel on the CPU: DDP and FSDP2 gradients over 2 gloo ranks equal the one-process gradient (fp32, summed in
-another order: ~1e-8, asked 1e-6), and train.py under torchrun (the demo, FSDP2, exact resume). No rank sees a GPU.
+"""Data parallel on the CPU: DDP and FSDP2 gradients over 2 gloo ranks equal the one-process
+gradient (fp32, summed in another order: ~1e-8, asked 1e-6), and train.py under torchrun (the demo,
+FSDP2, exact resume). No rank sees a GPU.
 """
 
 import os
@@ -26,15 +27,16 @@ from helpers import (
 )
 from support import checkpoint, demo, distributed
 
-# Group 0 long, group 1 one token each: a per-rank normalizer would be wrong, and under FSDP2 rank 1's micro-batch
-# of 1-token completions must still run the same forwards as rank 0's.
+# Group 0 long, group 1 one token each: a per-rank normalizer would be wrong, and under FSDP2 rank
+# 1's micro-batch of 1-token completions must still run the same forwards as rank 0's.
 DISTRIBUTED_LENGTHS = [6, 5, 6, 4, 1, 1, 1, 1]
 
 
 def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
-    """The gradient of one policy_update (β = 0.04, μ = 1) of the demo's tiny model (seed 0) on these rollouts, with
-    an optimizer that changes nothing (lr 0, no clipping): {name: grad} (FSDP2's shards gathered whole), as the
-    optimizer step sees it (policy_update frees the gradients right after)."""
+    """The gradient of one policy_update (β = 0.04, μ = 1) of the demo's tiny model (seed 0) on
+    these rollouts, with an optimizer that changes nothing (lr 0, no clipping): {name: grad}
+    (FSDP2's shards gathered whole), as the optimizer step sees it (policy_update frees the
+    gradients right after)."""
     model, _ = demo.model_and_tokenizer(seed=0)
     ddp = ddp(model) if ddp is not None else None
     if fsdp:
@@ -93,16 +95,18 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
-# --- DDP and FSDP2 gradients equal the one-process gradient -----------------------------------------------------------
+# --- DDP and FSDP2 gradients equal the one-process gradient
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
     tmp_path, monkeypatch
 ):
-    # DDP and FSDP2 alike. fp32 on both sides; the sums differ in order only (and the average of world x loss over
-    # ranks): ~1e-8, asked 1e-6. The spawned ranks see no GPU (NO_GPU): CPU tensors and gloo only. This process's
-    # environment changes for the spawn alone (a CUDA device count first read under it would stay 0 for the session).
+    # DDP and FSDP2 alike. fp32 on both sides; the sums differ in order only (and the average of
+    # world x loss over ranks): ~1e-8, asked 1e-6. The spawned ranks see no GPU (NO_GPU): CPU
+    # tensors and gloo only. This process's environment changes for the spawn alone (a CUDA device
+    # count first read under it would stay 0 for the session).
     with monkeypatch.context() as m:
         for name, value in NO_GPU.items():
             m.setenv(name, value)
@@ -124,13 +128,15 @@ def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
         assert max(g.abs().max() for g in expected.values()) > 1e-3  # a real gradient, not zeros
 
 
-# --- torchrun: the demo, FSDP2, resume --------------------------------------------------------------------------------
+# --- torchrun: the demo, FSDP2, resume
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_distributed_demo_under_torchrun_writes_one_log_and_one_checkpoint_and_learns(tmp_path):
-    # 50 steps: correctness rose by +0.23, +0.33, +0.47 for seeds 42, 1, 2 (measured 2026-11-23); at 30 steps the
-    # gain still ranged from +0.05 to +0.34 over seeds, too early for a threshold that holds under any sampler.
+    # 50 steps: correctness rose by +0.23, +0.33, +0.47 for seeds 42, 1, 2 (measured 2026-11-23); at
+    # 30 steps the gain still ranged from +0.05 to +0.34 over seeds, too early for a threshold that
+    # holds under any sampler.
     out = torchrun(tmp_path / "run", "--steps", "50", "--eval-every", "0")
     assert "2 processes" in out and out.count("step 50/50") == 1  # rank 0 alone prints
     rows = read_metrics(tmp_path / "run")
@@ -175,7 +181,8 @@ def test_distributed_resume_under_torchrun_is_exact(tmp_path):
 
 
 def torchrun_stopped(out_dir, argv, send):
-    """train.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged. Returns its output."""
+    """train.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged.
+    Returns its output."""
     proc = subprocess.Popen(
         torchrun_command(out_dir, *argv),
         cwd=ROOT,
@@ -196,10 +203,11 @@ def torchrun_stopped(out_dir, argv, send):
 def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_step_and_resume_exactly(
     tmp_path,
 ):
-    """Ctrl-C in a terminal reaches every process of torchrun's group (SIGINT), and torchrun forwards it to each
-    worker right after: one request, not the "second signal" that stops at once without saving. A scheduler's
-    SIGTERM to torchrun alone is forwarded the same way. Either way every rank finishes the same step, they save it
-    together, and --resume continues to the weights and metrics of a run never stopped."""
+    """Ctrl-C in a terminal reaches every process of torchrun's group (SIGINT), and torchrun
+    forwards it to each worker right after: one request, not the "second signal" that stops at
+    once without saving. A scheduler's SIGTERM to torchrun alone is forwarded the same way.
+    Either way every rank finishes the same step, they save it together, and --resume continues
+    to the weights and metrics of a run never stopped."""
     argv = ["--steps", "8", "--eval-every", "-1", "--save-every", "0", "--lr-scheduler", "constant"]
     argv += "--demo-warmup-steps 0 --reward-fn helpers:varied_reward --num-iterations 2".split()
     torchrun(tmp_path / "straight", *argv)
@@ -221,9 +229,10 @@ def test_distributed_ctrl_c_and_sigterm_under_torchrun_stop_every_rank_at_one_st
 
 @pytest.mark.slow
 def test_distributed_a_reward_error_on_one_rank_stops_every_rank_and_they_save_together(tmp_path):
-    """Rank 1's reward function raises in step 3. Before, rank 1 exited alone, rank 0 waited in the next collective
-    until torchrun killed it, and steps since the last checkpoint were lost. Now both ranks stop after scoring, save
-    step 3's start together (steps 1-2 done), and the message names the function."""
+    """Rank 1's reward function raises in step 3. Before, rank 1 exited alone, rank 0 waited in
+    the next collective until torchrun killed it, and steps since the last checkpoint were lost.
+    Now both ranks stop after scoring, save step 3's start together (steps 1-2 done), and the
+    message names the function."""
     (tmp_path / "rank_rewards.py").write_text(
         "import os\n"
         "calls = []\n"

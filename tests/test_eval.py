@@ -15,6 +15,7 @@ import rewards
 import sampling
 import train
 from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
+from support import evaluation
 
 # --- maj@k: the answer most of a question's k completions give, scored ------------------------------------------------
 
@@ -30,7 +31,7 @@ from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
     ],
 )
 def test_majority_index_breaks_ties_by_the_first_answer_given(answers, index):
-    assert train.majority_index(answers) == index
+    assert evaluation.majority_index(answers) == index
 
 
 def fixed_completions(texts):
@@ -63,7 +64,7 @@ def test_evaluate_reports_mean_maj_and_pass_at_k_on_a_worked_example():
     ]
     settings = sampling.Sampling(0.7, 0, 1.0, 8)
     with mock.patch.object(sampling, "sample_rollouts", fixed_completions(completions)):
-        result = train.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
+        result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
     assert result == {
         "correctness": 0.25,
         "reward": 0.25,
@@ -75,7 +76,7 @@ def test_evaluate_reports_mean_maj_and_pass_at_k_on_a_worked_example():
     # a task without an answer extractor (your own task without --extract-answer): no maj@k, the rest unchanged
     task = dataclasses.replace(task, extract_answer=None)
     with mock.patch.object(sampling, "sample_rollouts", fixed_completions(completions)):
-        result = train.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
+        result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
     assert set(result) == {"correctness", "reward", "correctness_pass@4", "reward_pass@4"}
 
 
@@ -84,19 +85,19 @@ def test_an_extract_answer_that_raises_is_one_clear_error(tmp_path, monkeypatch)
         "def final(completion):\n    return completion.split('=')[1]\n"
     )
     monkeypatch.chdir(tmp_path)
-    name, fn = rewards.load_reward_fn(
-        "my_answers:final", "--extract-answer", rewards.ANSWER_EXTRACTORS
-    )
+    from support.reward_loading import load_reward_fn
+
+    name, fn = load_reward_fn("my_answers:final", "--extract-answer", rewards.ANSWER_EXTRACTORS)
     assert fn("1 + 1 = 2") == " 2"
     with pytest.raises(config.UserError, match=r"--extract-answer: final raised IndexError"):
-        train.extract(fn, "no equals sign")
+        evaluation.answer_of(fn, "no equals sign")
     with pytest.raises(
         config.UserError, match="--extract-answer 'my_answers:nope'.*its functions: final"
     ):
-        rewards.load_reward_fn("my_answers:nope", "--extract-answer", rewards.ANSWER_EXTRACTORS)
-    assert rewards.load_reward_fn("last-number", "--extract-answer", rewards.ANSWER_EXTRACTORS)[
-        1
-    ] is (rewards.last_number)
+        load_reward_fn("my_answers:nope", "--extract-answer", rewards.ANSWER_EXTRACTORS)
+    assert load_reward_fn("last-number", "--extract-answer", rewards.ANSWER_EXTRACTORS)[1] is (
+        rewards.last_number
+    )
 
 
 # --- --task addition, end to end on the tiny model ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Faults: resume after ctrl-c, a crash or SIGKILL (bit-identical weights and metrics), checkpoints under a full disk
-and torn renames, non-finite losses, gradients and rewards, degenerate batches, and bad input (one-paragraph errors,
-exit code 2).
+"""Faults: resume after ctrl-c, a crash or SIGKILL (bit-identical weights and metrics), checkpoints
+under a full disk and torn renames, non-finite losses, gradients and rewards, degenerate batches,
+and bad input (one-paragraph errors, exit code 2).
 """
 
 import errno
@@ -32,7 +32,7 @@ from helpers import (
     without_time,
     write_gsm8k,
 )
-from support import checkpoint, decode, demo, models
+from support import checkpoint, decode, demo, errors, evaluation, models, signals
 
 FAULT_ARGV = [
     *CPU,
@@ -42,14 +42,16 @@ FAULT_ARGV = [
 ]
 
 
-# The interrupted runs' environment: GRPO_SAVE_PAUSE widens the moments inside a save (a step and its save: ~0.5 s).
+# The interrupted runs' environment: GRPO_SAVE_PAUSE widens the moments inside a save (a step and
+# its save: ~0.5 s).
 FAULT_ENV = dict(os.environ, GRPO_SAVE_PAUSE="0.2", HF_HUB_OFFLINE="1")
 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """straight_run(steps): the output directory of FAULT_ARGV run uninterrupted for `steps` steps, run once per
-    step count for all the tests here that compare an interrupted run against it."""
+    """straight_run(steps): the output directory of FAULT_ARGV run uninterrupted for `steps`
+    steps, run once per step count for all the tests here that compare an interrupted run against
+    it."""
     runs = {}
 
     def straight(steps):
@@ -62,9 +64,10 @@ def straight_run(tmp_path_factory):
 
 
 def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL):
-    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a checkpoint, else --overwrite: a
-    kill before the first save may leave metrics rows). kill_after: send it `signum` (SIGKILL unless told) that many
-    seconds after its first line about training ("GRPO: ..."), unless it finished first."""
+    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a
+    checkpoint, else --overwrite: a kill before the first save may leave metrics rows).
+    kill_after: send it `signum` (SIGKILL unless told) that many seconds after its first line
+    about training ("GRPO: ..."), unless it finished first."""
     argv = [*FAULT_ARGV, "--steps", str(steps), "--output-dir", str(out_dir)]
     argv += ["--resume"] if checkpoint.find_last(str(out_dir)) else ["--overwrite"]
     log, started = (
@@ -88,7 +91,8 @@ def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL
 
 
 def nan_loss_in_steps(monkeypatch, steps):
-    """grpo_loss returns NaN (through the graph, so the gradients are NaN too) during the given 1-based steps."""
+    """grpo_loss returns NaN (through the graph, so the gradients are NaN too) during the given
+    1-based steps."""
     real, calls = grpo.grpo_loss, []
 
     def loss(*args, **kwargs):
@@ -154,7 +158,8 @@ def bad_input_cases(tmp_path):
     }
 
 
-# --- resume: the same run as the uninterrupted one, or a clear refusal ------------------------------------------------
+# --- resume: the same run as the uninterrupted one, or a clear refusal
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -163,7 +168,8 @@ def test_resumed_run_logs_the_same_metrics_as_the_uninterrupted_one(tmp_path, mo
     argv = "--steps 4 --num-iterations 2 --eval-every 2 --eval-limit 4 --eval-samples 2".split()
     run_tiny(tmp_path / "straight", *argv)
 
-    # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the step-2 checkpoint.
+    # Interrupted at step 3: by Ctrl-C (which saves a checkpoint itself), or by a crash after the
+    # step-2 checkpoint.
     real_score, scored = rewards.score, []
 
     def interrupt_at_step_3(reward_fns, completions, *a, **kw):
@@ -204,7 +210,7 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
 ):
     argv = ["--steps", "4", "--eval-every", "2", "--eval-limit", "4", "--eval-samples", "2"]
     run_tiny(tmp_path / "straight", *argv)
-    real_evaluate, evaluated = train.evaluate, []
+    real_evaluate, evaluated = evaluation.evaluate, []
 
     def cut_short(*a, **kw):
         evaluated.append(1)
@@ -216,12 +222,12 @@ def test_an_evaluation_cut_short_keeps_the_training_and_resume_redoes_only_that_
             )
         return real_evaluate(*a, **kw)
 
-    monkeypatch.setattr(train, "evaluate", cut_short)
+    monkeypatch.setattr(evaluation, "evaluate", cut_short)
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else RuntimeError):
         # --save-every 0: the only checkpoints are the ones before evaluations
         run_tiny(tmp_path / "cut", *argv)
     assert checkpoint.load_state(checkpoint.find_last(str(tmp_path / "cut")))["step"] == at_step
-    monkeypatch.setattr(train, "evaluate", real_evaluate)
+    monkeypatch.setattr(evaluation, "evaluate", real_evaluate)
     evals = run_tiny(tmp_path / "cut", *argv, "--resume")
     assert [step for step, _ in evals] == [0, 2, 4]
     assert without_time(read_metrics(tmp_path / "cut")) == without_time(
@@ -269,8 +275,9 @@ def test_resume_skips_a_metrics_line_cut_short_by_a_kill(tmp_path, capsys):
 def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_metrics(
     tmp_path, straight_run
 ):
-    """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a longer run) land
-    anywhere: in a step, an evaluation, a metrics line, or inside a save (GRPO_SAVE_PAUSE widens its moments)."""
+    """Kills (GRPO_KILLS of them, default 3; `GRPO_KILLS=40 python -m pytest -q -k sigkill` for a
+    longer run) land anywhere: in a step, an evaluation, a metrics line, or inside a save
+    (GRPO_SAVE_PAUSE widens its moments)."""
     env = FAULT_ENV
     rng, kills = (
         random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0"))),
@@ -299,10 +306,11 @@ def test_sigkill_at_random_moments_then_resume_gives_bit_identical_weights_and_m
 def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_bit_identically(
     tmp_path, straight_run
 ):
-    """Ctrl-C and a scheduler's SIGTERM or SIGHUP, at random moments of a μ = 2 run (inside a step between its two
-    updates, inside a save, in an evaluation): the step under way finishes and is saved, the process exits with
-    128 + the signal's number, and --resume continues to the same weights and metrics as a run never stopped.
-    Before, an interrupt between the μ updates saved the step as done with half its updates."""
+    """Ctrl-C and a scheduler's SIGTERM or SIGHUP, at random moments of a μ = 2 run (inside a
+    step between its two updates, inside a save, in an evaluation): the step under way finishes
+    and is saved, the process exits with 128 + the signal's number, and --resume continues to the
+    same weights and metrics as a run never stopped. Before, an interrupt between the μ updates
+    saved the step as done with half its updates."""
     env = FAULT_ENV
     rng = random.Random(int(os.environ.get("GRPO_FAULT_SEED", "0")))
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
@@ -328,11 +336,12 @@ def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_b
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [None, signal.SIGHUP], ids=["pipe closed", "terminal hung up"])
 def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
-    """`python train.py | head` closes the pipe after its lines: every later write fails (EPIPE). An ssh session
-    that drops hangs up the terminal: SIGHUP, then every write fails (EIO). Before, the first failing print ended
-    the run with a traceback and no save. Now the output is dropped and training goes on: with the pipe closed
-    the run ends as usual (exit 0, every step saved and logged); on a hangup the step under way finishes, is saved
-    and the run exits with 129, ready for --resume."""
+    """`python train.py | head` closes the pipe after its lines: every later write fails (EPIPE).
+    An ssh session that drops hangs up the terminal: SIGHUP, then every write fails (EIO).
+    Before, the first failing print ended the run with a traceback and no save. Now the output is
+    dropped and training goes on: with the pipe closed the run ends as usual (exit 0, every step
+    saved and logged); on a hangup the step under way finishes, is saved and the run exits with
+    129, ready for --resume."""
     out = tmp_path / "run"
     argv = [*FAULT_ARGV, "--steps", "6", "--save-every", "0", "--output-dir", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -348,7 +357,8 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
             break
     proc.stdout.close()  # the reader is gone
     if signum is not None:
-        # after step 1's metrics row: in a step, not the evaluation before training (that one stops at once)
+        # after step 1's metrics row: in a step, not the evaluation before training (that one stops
+        # at once)
         log = out / "metrics.jsonl"
         while proc.poll() is None and not (log.exists() and '"loss"' in log.read_text()):
             time.sleep(0.02)
@@ -365,8 +375,9 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
 
 @pytest.mark.slow
 def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(tmp_path, capsys):
-    # In-process: the first SIGTERM arrives inside step 3's rewards (a reward function sends it), so step 3
-    # finishes, is saved and the run stops with exit code 143; no metrics row is lost or half-written.
+    # In-process: the first SIGTERM arrives inside step 3's rewards (a reward function sends it), so
+    # step 3 finishes, is saved and the run stops with exit code 143; no metrics row is lost or
+    # half-written.
     sent = []
 
     def reward(completions, answers):
@@ -375,8 +386,8 @@ def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(
         sent.append(1)
         return varied_reward(completions, answers)
 
-    with pytest.raises(train.Stopped) as info:
-        with train.STOPS:
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
             run_tiny(tmp_path, "--steps", "5", "--save-every", "0", reward=reward)
     assert info.value.exit_code == 143
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
@@ -384,8 +395,8 @@ def test_a_signal_inside_a_step_lets_the_step_finish_and_a_second_stops_at_once(
     err = capsys.readouterr().err
     assert "SIGTERM: finishing this step, then saving and exiting" in err
     assert "SIGTERM: saving a checkpoint at step 3 before exiting" in err
-    assert signal.getsignal(signal.SIGTERM) is not train.STOPS.handle  # handlers restored
-    assert train.STOPS.signum is None  # and the request forgotten: the next run starts clean
+    assert signal.getsignal(signal.SIGTERM) is not signals.STOPS.handle  # handlers restored
+    assert signals.STOPS.signum is None  # and the request forgotten: the next run starts clean
     run_tiny(tmp_path / "next", "--steps", "1")
 
 
@@ -425,7 +436,8 @@ def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys
     assert "(hidden_size 64 vs 32, intermediate_size 128 vs 64)" in err
 
 
-# --- checkpoints on disk: a full disk, fsync, atomic replacement ------------------------------------------------------
+# --- checkpoints on disk: a full disk, fsync, atomic replacement
+# --------------------------------------------------------------------------------------------------
 
 
 def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
@@ -439,7 +451,7 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_says_so(tmp_p
 
     monkeypatch.setattr(torch, "save", save)
     with pytest.raises(
-        checkpoint.SaveFailed,
+        errors.SaveFailed,
         match="No space left on device. Nothing was replaced: the previous "
         "checkpoint, .*checkpoint, is intact",
     ):
@@ -487,7 +499,8 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
     assert checkpoint.find_last(out).endswith("checkpoint.old")
 
 
-# --- non-finite losses, gradients and rewards; degenerate batches -----------------------------------------------------
+# --- non-finite losses, gradients and rewards; degenerate batches
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -528,8 +541,8 @@ def test_max_nonfinite_skips_in_a_row_stop_the_run_and_save_the_last_good_weight
         0,
         1,
     ]
-    # step 3 applied no update: the checkpoint is the end of step 2 (the last metrics row), with the RNG
-    # as it was then, so --resume redoes step 3
+    # step 3 applied no update: the checkpoint is the end of step 2 (the last metrics row), with the
+    # RNG as it was then, so --resume redoes step 3
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
     after_step_1 = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
     monkeypatch.undo()
@@ -592,7 +605,8 @@ def test_degenerate_batches_never_crash_or_give_nan(tmp_path, monkeypatch, case)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-# --- model names and bad input ----------------------------------------------------------------------------------------
+# --- model names and bad input
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -713,8 +727,8 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
 def test_numeric_flags_refuse_nan_inf_and_out_of_range_before_any_model_loads(
     flag, value, expected, monkeypatch, capsys
 ):
-    # Each used to run (NaN weights, a reversed gradient, no learning) or end in a traceback, some after the model
-    # had loaded. Now: one paragraph, exit code 2, and no model is loaded.
+    # Each used to run (NaN weights, a reversed gradient, no learning) or end in a traceback, some
+    # after the model had loaded. Now: one paragraph, exit code 2, and no model is loaded.
     monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         train.main([*CPU, "--model", "SmolLM2-135M", flag, value])

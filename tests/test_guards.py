@@ -1,6 +1,7 @@
-"""What stops a run before it does harm: weights that became non-finite (never saved), running out of memory on the
-CPU, a generation budget beyond the model's context, a second signal; and --eval-only --resume evaluating the
-checkpoint, not the initial model. Every run is the demo's tiny model on the CPU (helpers.tiny_argv).
+"""What stops a run before it does harm: weights that became non-finite (never saved), running out
+of memory on the CPU, a generation budget beyond the model's context, a second signal; and
+--eval-only --resume evaluating the checkpoint, not the initial model. Every run is the demo's tiny
+model on the CPU (helpers.tiny_argv).
 """
 
 import json
@@ -15,14 +16,15 @@ from transformers import AutoModelForCausalLM
 
 import train
 from helpers import CPU, read_metrics, run_tiny, tiny_argv, tiny_model_dir, varied_reward
-from support import checkpoint, models
+from support import checkpoint, evaluation, models, signals
 
-# --- weights that are not finite --------------------------------------------------------------------------------------
+# --- weights that are not finite
+# --------------------------------------------------------------------------------------------------
 
 
 def clipping_that_hides_nan(at_call):
-    """clip_grad_norm_ as --max-grad-norm nan made it behave: the gradients multiplied by NaN, the norm it returns
-    (measured before clipping) finite. Faulty from its `at_call`-th call on."""
+    """clip_grad_norm_ as --max-grad-norm nan made it behave: the gradients multiplied by NaN,
+    the norm it returns (measured before clipping) finite. Faulty from its `at_call`-th call on."""
     real, calls = torch.nn.utils.clip_grad_norm_, []
 
     def clip(parameters, max_norm, *a, **kw):
@@ -42,9 +44,9 @@ def clipping_that_hides_nan(at_call):
 def test_weights_made_non_finite_behind_a_finite_gradient_norm_stop_the_run_and_are_never_saved(
     tmp_path, monkeypatch, capsys, dtype
 ):
-    # Steps 1 and 2 are saved (--save-every 1); step 3's update writes NaN into the weights while every check before
-    # it (loss, gradient norm) sees finite numbers. The run stops with one paragraph and exit code 2, and the
-    # checkpoint on disk is step 2's, byte for byte.
+    # Steps 1 and 2 are saved (--save-every 1); step 3's update writes NaN into the weights while
+    # every check before it (loss, gradient norm) sees finite numbers. The run stops with one
+    # paragraph and exit code 2, and the checkpoint on disk is step 2's, byte for byte.
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clipping_that_hides_nan(at_call=3))
     saved = {}
     real_save = train.checkpoint.save
@@ -87,11 +89,13 @@ def test_nonfinite_weights_sees_nan_and_inf_in_any_tensor_and_huge_finite_weight
     assert checkpoint.nonfinite_weights(model, trainable_only=True) == ([], False)
 
 
-# --- out of memory ----------------------------------------------------------------------------------------------------
+# --- out of memory
+# --------------------------------------------------------------------------------------------------
 
 
 def test_cpu_out_of_memory_gets_the_paragraph_cuda_gets(tmp_path, monkeypatch, capsys):
-    # The RuntimeError torch's CPU allocator really raises (1 PiB cannot be allocated), inside the first step.
+    # The RuntimeError torch's CPU allocator really raises (1 PiB cannot be allocated), inside the
+    # first step.
     def allocate_too_much(*a, **kw):
         torch.empty(2**50, dtype=torch.uint8)
 
@@ -113,14 +117,15 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypa
         train.main(tiny_argv(tmp_path))
 
 
-# --- the context ------------------------------------------------------------------------------------------------------
+# --- the context
+# --------------------------------------------------------------------------------------------------
 
 
 def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
     tmp_path, monkeypatch, capsys
 ):
-    # The tiny model's context is 512 tokens (helpers.tiny_model_dir). Before: the prompt was cut to nothing, and the
-    # first forward raised a reshape error from inside the model.
+    # The tiny model's context is 512 tokens (helpers.tiny_model_dir). Before: the prompt was cut to
+    # nothing, and the first forward raised a reshape error from inside the model.
     model_dir = tiny_model_dir(tmp_path)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": "a b", "answer": "c"}) + "\n" for _ in range(4)))
@@ -161,19 +166,20 @@ def test_check_context_accepts_the_largest_budget_that_fits():
         models.check_context(61, 40, config, "m")
 
 
-# --- --eval-only --resume ---------------------------------------------------------------------------------------------
+# --- --eval-only --resume
+# --------------------------------------------------------------------------------------------------
 
 
 def evaluated_logits(monkeypatch, argv):
     """The logits of the model train.main hands to the evaluation, on fixed tokens."""
     seen = {}
 
-    def spy(model, tokenizer, task, args):
+    def spy(model, tokenizer, task, settings, amp=None):
         with torch.no_grad():
             seen["logits"] = model(torch.arange(2, 12)[None]).logits
         return {}
 
-    monkeypatch.setattr(train, "evaluate_as_flagged", spy)
+    monkeypatch.setattr(evaluation, "evaluate_with", spy)
     train.main(argv)
     return seen["logits"]
 
@@ -194,8 +200,9 @@ def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
         ).logits
     initial = evaluated_logits(monkeypatch, tiny_argv(tmp_path, "--eval-only", *flags))
     resumed = evaluated_logits(monkeypatch, tiny_argv(tmp_path, "--eval-only", "--resume", *flags))
-    # Full: the checkpoint's own weights, the same logits to the bit. LoRA: --model with the adapter on, W x + B A x,
-    # against the checkpoint's merged (W + B A) x: the same up to fp32 rounding (|logits| ~ 1: 1e-5 is ~100 ulps).
+    # Full: the checkpoint's own weights, the same logits to the bit. LoRA: --model with the adapter
+    # on, W x + B A x, against the checkpoint's merged (W + B A) x: the same up to fp32 rounding
+    # (|logits| ~ 1: 1e-5 is ~100 ulps).
     assert (
         torch.equal(resumed, saved)
         if not lora
@@ -204,7 +211,8 @@ def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
     assert (initial - saved).abs().max() > 1e-3
 
 
-# --- a second signal --------------------------------------------------------------------------------------------------
+# --- a second signal
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -214,10 +222,11 @@ def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
 def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_once(
     tmp_path, gap, code, saved_at
 ):
-    # Inside step 2's reward: SIGTERM, then SIGINT `gap` seconds later. 0.1 s: one request delivered twice (as Ctrl-C
-    # under torchrun is: the terminal's, then torchrun's forwarded copy), so step 2 finishes and is saved (143: the first
-    # signal's code). 1.3 s (beyond SAME_REQUEST_S = 1): a second request, the run stops at once, inside the reward,
-    # before step 2's update: the checkpoint holds step 1 and --resume redoes step 2.
+    # Inside step 2's reward: SIGTERM, then SIGINT `gap` seconds later. 0.1 s: one request delivered
+    # twice (as Ctrl-C under torchrun is: the terminal's, then torchrun's forwarded copy), so step 2
+    # finishes and is saved (143: the first signal's code). 1.3 s (beyond SAME_REQUEST_S = 1): a
+    # second request, the run stops at once, inside the reward, before step 2's update: the
+    # checkpoint holds step 1 and --resume redoes step 2.
     calls = []
 
     def reward(completions, answers):
@@ -228,8 +237,8 @@ def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_o
             os.kill(os.getpid(), signal.SIGINT)
         return varied_reward(completions, answers)
 
-    with pytest.raises(train.Stopped) as info:
-        with train.STOPS:
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
             run_tiny(tmp_path, "--steps", "4", "--save-every", "0", reward=reward)
     assert info.value.exit_code == code
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, saved_at + 1))
@@ -242,10 +251,13 @@ def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_o
 def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_counts_as_done(
     tmp_path, monkeypatch
 ):
-    # The second signal lands right after AdamW's step, before the schedule's: before, Stopped left the update
-    # applied but the step saved as not done (step 1, step-start RNG), so --resume applied it twice. Now the update
-    # (weights, AdamW, schedule) completes first, and the step is saved as done.
-    monkeypatch.setattr(train.StopRequests, "SAME_REQUEST_S", 0.0)  # a second signal, however soon
+    # The second signal lands right after AdamW's step, before the schedule's: before, Stopped left
+    # the update applied but the step saved as not done (step 1, step-start RNG), so --resume
+    # applied it twice. Now the update (weights, AdamW, schedule) completes first, and the step is
+    # saved as done.
+    monkeypatch.setattr(
+        signals.StopRequests, "SAME_REQUEST_S", 0.0
+    )  # a second signal, however soon
     real_build, steps = train.build_optimizer, []
 
     def build(*a):
@@ -268,8 +280,8 @@ def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_co
         return varied_reward(completions, answers)
 
     monkeypatch.setattr(train, "build_optimizer", build)
-    with pytest.raises(train.Stopped) as info:
-        with train.STOPS:
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
             run_tiny(tmp_path, "--steps", "4", "--save-every", "0", reward=reward)
     assert info.value.exit_code == 130
     state = torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)
@@ -279,9 +291,10 @@ def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_co
 def test_a_signal_just_after_the_end_of_step_check_is_handled_at_the_next_step_end(
     tmp_path, monkeypatch
 ):
-    # The SIGTERM arrives after step 2's check, with no evaluation due: before, the check before the (skipped)
-    # evaluation raised it outside the step, and steps 1-2 were lost unsaved. Now step 3 finishes and is saved.
-    real_check, ends = train.STOPS.raise_if_requested, []
+    # The SIGTERM arrives after step 2's check, with no evaluation due: before, the check before the
+    # (skipped) evaluation raised it outside the step, and steps 1-2 were lost unsaved. Now step 3
+    # finishes and is saved.
+    real_check, ends = signals.STOPS.raise_if_requested, []
 
     def check(saved):
         real_check(saved)
@@ -289,9 +302,9 @@ def test_a_signal_just_after_the_end_of_step_check_is_handled_at_the_next_step_e
         if len(ends) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(train.STOPS, "raise_if_requested", check)
-    with pytest.raises(train.Stopped) as info:
-        with train.STOPS:
+    monkeypatch.setattr(signals.STOPS, "raise_if_requested", check)
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
             run_tiny(tmp_path, "--steps", "5", "--save-every", "0")
     assert info.value.exit_code == 143
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
@@ -300,7 +313,8 @@ def test_a_signal_just_after_the_end_of_step_check_is_handled_at_the_next_step_e
 
 
 def test_a_lora_run_stopped_on_a_step_it_saves_anyway_leaves_the_merged_model(tmp_path):
-    # --save-every 1: step 2 is saved by the periodic save, which was not the run's last (adapter only) before.
+    # --save-every 1: step 2 is saved by the periodic save, which was not the run's last (adapter
+    # only) before.
     pytest.importorskip("peft")
     calls = []
 
@@ -310,8 +324,8 @@ def test_a_lora_run_stopped_on_a_step_it_saves_anyway_leaves_the_merged_model(tm
             os.kill(os.getpid(), signal.SIGTERM)
         return varied_reward(completions, answers)
 
-    with pytest.raises(train.Stopped):
-        with train.STOPS:
+    with pytest.raises(signals.Stopped):
+        with signals.STOPS:
             run_tiny(
                 tmp_path, "--steps", "4", "--save-every", "1", "--lora-rank", "4", reward=reward
             )
@@ -321,8 +335,8 @@ def test_a_lora_run_stopped_on_a_step_it_saves_anyway_leaves_the_merged_model(tm
 
 
 def test_a_directory_without_a_checkpoint_is_not_offered_resume(tmp_path, capsys):
-    # A run that crashed before its first save (out of memory in step 1) leaves metrics.jsonl alone: --resume, which
-    # the refusal used to offer, would fail with "no checkpoint".
+    # A run that crashed before its first save (out of memory in step 1) leaves metrics.jsonl alone:
+    # --resume, which the refusal used to offer, would fail with "no checkpoint".
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/correctness": 0.1}\n')
     with pytest.raises(SystemExit):
         train.main(tiny_argv(tmp_path))

@@ -1,7 +1,8 @@
-"""train.py end to end on the demo's tiny model on the CPU: one step, μ = 2, β = 0, micro-batches, gradient
-checkpointing, evaluation, the README's own-task example, the shortened demo and --compile (the options, each one
-flag: test_options.py). Runs are fp32: where two paths must agree, the test
-states its bound (1e-4 to 1e-7); TOL (1e-6) is test_grpo.py's, for the worked example of eval's pass@k.
+"""train.py end to end on the demo's tiny model on the CPU: one step, μ = 2, β = 0, micro-batches,
+gradient checkpointing, evaluation, the README's own-task example, the shortened demo and --compile
+(the options, each one flag: test_options.py). Runs are fp32: where two paths must agree, the test
+states its bound (1e-4 to 1e-7); TOL (1e-6) is test_grpo.py's, for the worked example of eval's
+pass@k.
 """
 
 import functools
@@ -38,11 +39,12 @@ from helpers import (
 )
 from rewards import format_reward
 from sampling import token_logprobs
-from support import demo, models, report
+from support import demo, evaluation, models, report
 
 
 def readme_block(title, language):
-    """The code block that follows the README's line naming `title` (the worked example's files and command)."""
+    """The code block that follows the README's line naming `title` (the worked example's files
+    and command)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
     match = re.search(rf"{re.escape(title)}[^\n]*\n+```{language}\n(.*?)```", text, re.S)
@@ -50,7 +52,8 @@ def readme_block(title, language):
     return match.group(1)
 
 
-# --- one step: the parameters, μ = 2, β = 0, micro-batches, gradient checkpointing, the optimizer ---------------------
+# --- one step: the parameters, μ = 2, β = 0, micro-batches, gradient checkpointing, the optimizer
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -102,8 +105,9 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
 
 
 def second_update_ratios(tmp_path, monkeypatch, *flags):
-    """The mean ratio π_θ/π_old of each step's second update (μ = 2, lr 0: the weights never move), for a tiny model
-    whose attention has dropout 0.5 as a checkpoint's config.json can set it (a float attribute, not a module)."""
+    """The mean ratio π_θ/π_old of each step's second update (μ = 2, lr 0: the weights never
+    move), for a tiny model whose attention has dropout 0.5 as a checkpoint's config.json can set
+    it (a float attribute, not a module)."""
     ratios, real_setup, real_update = [], train.setup, train.policy_update
 
     def setup_with_dropout(args, resume_dir=None):
@@ -129,9 +133,10 @@ def second_update_ratios(tmp_path, monkeypatch, *flags):
 def test_dropout_is_off_in_the_policy_forwards_so_at_lr_0_the_ratio_is_exactly_1(
     tmp_path, monkeypatch, dtype
 ):
-    # Without --dropout, π_old's log-probs (the first update's forward) and π_θ's (the second's) come from the same
-    # network: at lr 0 the ratio is 1 bit for bit, in fp32 and under bf16 autocast (the same kernels on the same
-    # inputs). With --dropout, each forward draws its own mask.
+    # Without --dropout, π_old's log-probs (the first update's forward) and π_θ's (the second's)
+    # come from the same network: at lr 0 the ratio is 1 bit for bit, in fp32 and under bf16
+    # autocast (the same kernels on the same inputs). With --dropout, each forward draws its own
+    # mask.
     assert second_update_ratios(tmp_path / "off", monkeypatch, "--dtype", dtype) == [1.0, 1.0]
     noisy = second_update_ratios(tmp_path / "on", monkeypatch, "--dtype", dtype, "--dropout")
     assert all(abs(r - 1) > 1e-3 for r in noisy), noisy
@@ -201,7 +206,8 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
     )
     stats, old = update(old_logps=None)
     assert torch.allclose(old, expected, atol=1e-5)
-    # the logged entropy: the token mean over the completion mask, of the policy before the update (fp32: 1e-5)
+    # the logged entropy: the token mean over the completion mask, of the policy before the update
+    # (fp32: 1e-5)
     assert stats["entropy"] == pytest.approx(
         (entropy * completion).sum().item() / completion.sum().item(), abs=1e-5
     )
@@ -248,9 +254,10 @@ def test_micro_batch_size_does_not_change_the_gradient(tmp_path, monkeypatch, lo
     one, four = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "four")[0]
     assert one["reward"] == four["reward"]  # same samples
     assert math.isclose(one["loss"], four["loss"], rel_tol=1e-5, abs_tol=1e-7)
-    # the normalizer at work. Summed in another order, fp32 differs by a few units in the last place of each
-    # tensor's largest entries (measured: 2.2e-8 where max |g| = 0.127, about 1.5 ulp): atol is 1e-6 of each
-    # tensor's largest entry (about 8 ulp); a wrong normalizer is off by a factor (4, or |o| over G lengths).
+    # the normalizer at work. Summed in another order, fp32 differs by a few units in the last
+    # place of each tensor's largest entries (measured: 2.2e-8 where max |g| = 0.127, about 1.5
+    # ulp): atol is 1e-6 of each tensor's largest entry (about 8 ulp); a wrong normalizer is off by
+    # a factor (4, or |o| over G lengths).
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * a.abs().max().item())
 
@@ -280,8 +287,9 @@ def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(
     monkeypatch.setattr(sampling, "token_logprobs", spy)
     run_tiny(tmp_path / "run", *["--gradient-checkpointing"] * checkpointing)
     reference = [g for training, g in calls if not training]
-    # Checkpointing: the policy's forward runs token_logprobs' plain path (no cache in training), so the reference
-    # runs it too (group_size=1); without it both share each prompt's forward across its group (G=4).
+    # Checkpointing: the policy's forward runs token_logprobs' plain path (no cache in training), so
+    # the reference runs it too (group_size=1); without it both share each prompt's forward across
+    # its group (G=4).
     assert reference == ([1, 1] if checkpointing else [4, 4])  # 2 micro-batches
     # step 1, fp32: pi_ref == pi_theta exactly
     assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0
@@ -314,7 +322,8 @@ def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_polic
     assert {p.dtype for p in model.parameters()} == {torch.float32} and not ref.training
 
 
-# --- eval, the response prefix, early stop, the curves, and the GSM8K path on a local model directory -----------------
+# --- eval, the response prefix, early stop, the curves, and the GSM8K path on a local model
+# directory -----------------
 
 
 def test_eval_only_reports_mean_rewards(tmp_path):
@@ -335,8 +344,9 @@ def test_eval_only_reports_mean_rewards(tmp_path):
 
 
 def test_eval_means_and_pass_at_k_worked_example():
-    """3 questions x 4 samples, correct exactly at completions 0 and 5 (question 0's first and question 1's second):
-    mean 2/12, pass@4 2/3; format weighted 0.5 scores 0.1 everywhere, so the total is correctness + 0.05."""
+    """3 questions x 4 samples, correct exactly at completions 0 and 5 (question 0's first and
+    question 1's second): mean 2/12, pass@4 2/3; format weighted 0.5 scores 0.1 everywhere, so
+    the total is correctness + 0.05."""
     model, tokenizer = demo.model_and_tokenizer(seed=0)
 
     def hits(completions, answers):
@@ -350,7 +360,7 @@ def test_eval_means_and_pass_at_k_worked_example():
             [("correctness", hits), ("format", lambda c, a: [0.1] * len(c))], [1.0, 0.5]
         ),
     )
-    result = train.evaluate(
+    result = evaluation.evaluate(
         model, tokenizer, task, sampling.Sampling(max_new_tokens=2), samples=4, batch_size=3
     )
     assert result == pytest.approx(
@@ -379,7 +389,7 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
     )
     settings = sampling.Sampling(temperature=0, max_new_tokens=3)
     for seed in (0, 1):
-        train.evaluate(model, tokenizer, task, settings, samples=1, seed=seed)
+        evaluation.evaluate(model, tokenizer, task, settings, samples=1, seed=seed)
     ids = tokenizer("3 + 4 =", return_tensors="pt", add_special_tokens=False).input_ids
     for _ in range(3):  # the argmax continuation, token by token
         ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -391,12 +401,9 @@ def test_greedy_eval_is_one_argmax_completion_per_question_whatever_the_seed(tmp
 
 def test_eval_seed_replaces_the_run_seed_for_evaluations_only(monkeypatch):
     seen = []
-    # its 8th argument is the seed
-    monkeypatch.setattr(train, "evaluate", lambda *a: seen.append(a[7]) or {})
     for extra in ([], ["--eval-seed", "5"]):
-        train.evaluate_as_flagged(
-            None, None, None, config.parse_args([*CPU, "--demo", "--seed", "3", *extra])
-        )
+        args = config.parse_args([*CPU, "--demo", "--seed", "3", *extra])
+        seen.append(evaluation.EvalSettings.of(args).seed)
     assert seen == [3, 5]
 
 
@@ -435,7 +442,7 @@ def test_response_prefix_counts_toward_the_format_reward():
     [(r"<think>\n", "<think>\n"), (r"a\tb", "a\tb"), (r"C:\\x", "C:\\x"), (r"\x", r"\x"), ("", "")],
 )
 def test_response_prefix_decodes_backslash_n_t_and_backslash_only(typed, decoded):
-    assert config.decode_escapes(typed) == decoded
+    assert config.unescape(typed) == decoded
 
 
 @pytest.mark.slow
@@ -509,13 +516,15 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     assert "Question: Tom has" in out and "before" in out and "after" in out
 
 
-# --- your own task end to end: the README's worked example as typed ---------------------------------------------------
+# --- your own task end to end: the README's worked example as typed
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_path):
-    """The README's my.jsonl, my_rewards.py and command, run as a new user would: `python train.py` in the directory
-    holding the two files, only the model swapped for the tiny one, the run shortened and pinned to the CPU."""
+    """The README's my.jsonl, my_rewards.py and command, run as a new user would:
+    `python train.py` in the directory holding the two files, only the model swapped for the tiny
+    one, the run shortened and pinned to the CPU."""
     (tmp_path / "my.jsonl").write_text(readme_block("`my.jsonl`", "json"))
     (tmp_path / "my_rewards.py").write_text(readme_block("`my_rewards.py`", "python"))
     assert len((tmp_path / "my.jsonl").read_text().splitlines()) == 5
@@ -547,17 +556,19 @@ def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_pa
         assert "accuracy" not in row  # no correctness reward in this task
 
 
-# --- the demo ---------------------------------------------------------------------------------------------------------
+# --- the demo
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
     # 80 GRPO steps instead of the demo's 150 (~20 s on 2 cores). Noise, measured on this CPU:
-    #  - one model evaluated under 10 eval seeds: reward 0.112 +- 0.014 (std), so the before/after difference of an
-    #    unchanged model would have a std of ~0.02;
+    #  - one model evaluated under 10 eval seeds: reward 0.112 +- 0.014 (std), so the before/after
+    #    difference of an unchanged model would have a std of ~0.02;
     #  - the reward after the warm-up ("before") over seeds 0-7 and 42: 0.07 to 0.13.
-    # Gains after 80 steps over those 9 seeds: +0.11 (seed 6, the slowest) to +0.40 (seed 42, this test), mean +0.30.
-    # A threshold of +0.10 is 5 noise standard deviations above zero and below every measured gain.
+    # Gains after 80 steps over those 9 seeds: +0.11 (seed 6, the slowest) to +0.40 (seed 42, this
+    # test), mean +0.30. A threshold of +0.10 is 5 noise standard deviations above zero and below
+    # every measured gain.
     history = train.main(
         [
             *CPU,
@@ -572,10 +583,10 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
 
 @pytest.mark.slow
 def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_path):
-    # python train.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~10 s). Measured on this CPU with LoRA's
-    # dropout off (the default since 2026-11-23): +0.35 for seed 42 (this test); the full 150 steps gave +0.415,
-    # +0.59, +0.52 for seeds 0, 1, 2 and +0.43 for 42. The threshold +0.10 is 5 noise standard deviations (~0.02, as
-    # above) above zero.
+    # python train.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~10 s). Measured on
+    # this CPU with LoRA's dropout off (the default since 2026-11-23): +0.35 for seed 42 (this
+    # test); the full 150 steps gave +0.415, +0.59, +0.52 for seeds 0, 1, 2 and +0.43 for 42. The
+    # threshold +0.10 is 5 noise standard deviations (~0.02, as above) above zero.
     pytest.importorskip("peft")
     history = train.main(
         [
@@ -592,7 +603,8 @@ def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_pa
     assert not any("lora" in name for name, _ in model.named_parameters())
 
 
-# --- --compile --------------------------------------------------------------------------------------------------------
+# --- --compile
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -600,11 +612,11 @@ def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_pa
     not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable on this Python"
 )
 def test_compile_trains_as_the_eager_run_does(tmp_path):
-    # --compile with the aot_eager backend traces the decode step and the log-prob forwards into graphs (what
-    # inductor would compile) and runs them op by op: it checks the graphs, not the speed. The compiled decode keeps
-    # every row to the end (fixed shapes) but draws the same uniforms per row, so both runs sample the same
-    # completions and their rewards and lengths are equal; losses, KL and gradient norms agree to 1e-5 (fp32, the
-    # same ops in traced order).
+    # --compile with the aot_eager backend traces the decode step and the log-prob forwards into
+    # graphs (what inductor would compile) and runs them op by op: it checks the graphs, not the
+    # speed. The compiled decode keeps every row to the end (fixed shapes) but draws the same
+    # uniforms per row, so both runs sample the same completions and their rewards and lengths are
+    # equal; losses, KL and gradient norms agree to 1e-5 (fp32, the same ops in traced order).
     run_tiny(tmp_path / "eager", "--steps", "2", "--num-iterations", "2")
     run_tiny(
         tmp_path / "compiled", "--steps", "2", "--num-iterations", "2", "--compile", "aot_eager"

@@ -1,6 +1,7 @@
-"""The options of the loop, each one flag and off by default: completions cut off by the budget masked
-(--mask-truncated), DAPO's overlong reward, dynamic sampling, beam groups, and LoRA adapters (peft, optional:
-those tests skip only where peft is not installed).
+"""The options of the loop, each one flag and off by default: completions cut off by the budget
+masked (--mask-truncated), DAPO's overlong reward, dynamic sampling, beam groups, and LoRA adapters
+(peft, optional: those tests skip only where peft is not installed); and the flags refused for how
+the run was launched (torchrun or alone) or for a --plot directory without metrics.
 """
 
 import math
@@ -17,6 +18,7 @@ import sampling
 import train
 from data import batch_at
 from helpers import (
+    CPU,
     assert_same_run,
     read_metrics,
     run_tiny,
@@ -27,7 +29,8 @@ from support import checkpoint, decode, demo, models
 
 
 def half_truncated(real_generate):
-    """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the budget without EOS."""
+    """generate() whose even rows end with EOS as their 3rd token and whose odd rows run to the
+    budget without EOS."""
 
     def generate(model, prompt_ids, prompt_mask, settings, *a, **kw):
         # [B*G, C] completions
@@ -40,11 +43,13 @@ def half_truncated(real_generate):
 
 
 def odd_answers_spread(completions, answers):
-    """Groups of odd sums get rewards 0, 1, 2, 3 (always spread); groups of even sums all get 1.0 (never)."""
+    """Groups of odd sums get rewards 0, 1, 2, 3 (always spread); groups of even sums all get 1.0
+    (never)."""
     return [float(i % 4) if int(a) % 2 else 1.0 for i, a in enumerate(answers)]
 
 
-# --- algorithm options: overlong handling, dynamic sampling, beams ----------------------------------------------------
+# --- algorithm options: overlong handling, dynamic sampling, beams
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -82,8 +87,8 @@ def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path
 
 @pytest.mark.slow
 def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
-    # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so its mean is
-    # -(mean length)/6; float32 means: 1e-6.
+    # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so
+    # its mean is -(mean length)/6; float32 means: 1e-6.
     train.main(
         tiny_argv(
             tmp_path / "run",
@@ -191,7 +196,8 @@ def test_num_beams_makes_each_group_the_g_best_beams_of_one_beam_search(tmp_path
         config.parse_args(tiny_argv(tmp_path / "x", "--num-beams", "2"))
 
 
-# --- LoRA (peft, optional: these tests skip only where peft is not installed) ---------------------------------------
+# --- LoRA (peft, optional: these tests skip only where peft is not installed)
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -290,3 +296,59 @@ def test_max_grad_norm_0_means_no_clipping():
     assert torch.equal(unclipped, torch.full((1, 3), -100.0))  # SGD at lr 1: the raw gradient
     clipped, _, _ = step(1.0)
     torch.testing.assert_close(clipped, torch.full((1, 3), -0.5))  # scaled by 1 / 200
+
+
+# --- flags checked against the launch (torchrun sets WORLD_SIZE) and --plot's directory
+# ------------
+
+
+def refusal(argv):
+    """The message config.parse_args(argv) refuses argv with."""
+    with pytest.raises(config.UserError) as e:
+        config.parse_args(argv)
+    return str(e.value)
+
+
+def test_launched_world_size_is_torchruns_world_size_else_1(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert config.launched_world_size() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert config.launched_world_size() == 4
+
+
+def test_dynamic_sampling_runs_alone_and_is_refused_under_torchrun(tmp_path, monkeypatch):
+    argv = tiny_argv(tmp_path, "--dynamic-sampling")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert config.parse_args(argv).dynamic_sampling
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert refusal(argv) == (
+        "--dynamic-sampling does not run under torchrun yet: ranks would refill their batches with "
+        "different numbers of generate calls and micro-batches. Run it in one process."
+    )
+
+
+def test_fsdp_needs_torchrun_and_refuses_resume_and_lora(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    alone = "--fsdp shards the model over processes: start it with torchrun --nproc-per-node N."
+    assert refusal(tiny_argv(tmp_path, "--fsdp")) == alone
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1
+    assert refusal(tiny_argv(tmp_path, "--fsdp")) == alone
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert config.parse_args(tiny_argv(tmp_path, "--fsdp")).fsdp
+    assert config.parse_args(tiny_argv(tmp_path, "--resume", "--lora-rank", "4")).lora_rank == 4
+    for extra in (["--resume"], ["--lora-rank", "4"]):
+        assert refusal(tiny_argv(tmp_path, "--fsdp", *extra)) == (
+            "--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
+            "state) nor train LoRA adapters; use DDP (no --fsdp) for those."
+        )
+
+
+def test_plot_needs_a_directory_holding_metrics_jsonl(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert refusal([*CPU, "--plot", str(run)]) == (
+        f"--plot {run}: there is no metrics.jsonl in it. Pass a run's --output-dir."
+    )
+    assert refusal([*CPU, "--plot", str(tmp_path / "missing")]).startswith("--plot ")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert config.parse_args([*CPU, "--plot", str(run)]).plot == str(run)

@@ -231,7 +231,7 @@ def one_update(dtype, mu, beta, checkpointing=False):
             objective=train.LossSettings(0.2, None, beta, "grpo", "token", 6, None),
             micro_batch_size=4,
             max_grad_norm=float("inf"),
-            amp=amp,
+            autocast_dtype=amp,
         )
         old = logps if old is None else old
         updates.append(stats)
@@ -334,16 +334,20 @@ def test_the_loop_runs_under_autocast_with_finite_metrics_and_changes_the_weight
 
 @pytest.mark.slow
 def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
+    from support.reward_loading import from_flags
+    from support.reward_model import RewardModel
+
     path = tiny_reward_model_dir(tmp_path)
     args = config.parse_args(
         ["--demo", "--device", "cpu", "--dtype", "bf16", "--reward-model", path]
     )
-    named = rewards.from_flags(args, [], set())
-    (reward_model,) = [r.fn for r in named if isinstance(r.fn, rewards.RewardModel)]
+    named = from_flags(args, [], set())
+    (reward_model,) = [r.fn for r in named if isinstance(r.fn, RewardModel)]
     assert {p.dtype for p in reward_model.model.parameters()} == {torch.bfloat16}
-    exact = rewards.RewardModel(path, "cpu")  # fp32
+    exact = RewardModel(path, "cpu")  # fp32
     texts, prompts = ["12 + 3", "no answer at all"], ["what is 15?", "what is 15?"]
-    # A one-number score of a 2-layer model: bf16 weights round it by a few units of 2^-9 relative. Bound 5e-2.
+    # A one-number score of a 2-layer model: bf16 weights round it by a few units of 2^-9 relative.
+    # Bound 5e-2.
     for got, want in zip(
         reward_model(texts, ["15", "15"], prompts), exact(texts, ["15", "15"], prompts)
     ):

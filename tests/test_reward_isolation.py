@@ -1,10 +1,12 @@
-"""Reward functions isolated from the run around them (issue 24, item 7): each gets its own copy of its arguments;
-whatever it raises (sys.exit, any BaseException but KeyboardInterrupt) is a reward error; values beyond float32's
-range are refused by name; --reward-timeout stops one that hangs. A reward error saves a checkpoint and exits with
-code 2 and one paragraph on stderr.
+"""Reward functions isolated from the run around them (issue 24, item 7; support/sandbox.py): each
+gets its own copy of its arguments; whatever it raises (sys.exit, any BaseException but
+KeyboardInterrupt) is a reward error; values beyond float32's range are refused by name;
+--reward-timeout stops one that hangs. A reward error saves a checkpoint and exits with code 2 and
+one paragraph on stderr.
 
-The runs here are real tiny runs through train.main on your own JSONL task (helpers.own_task_argv: 4 prompts x G=2 a
-step), with the reward function loaded by --reward-fn from a module written into the test's directory.
+The runs here are real tiny runs through train.main on your own JSONL task (helpers.own_task_argv:
+4 prompts x G=2 a step), with the reward function loaded by --reward-fn from a module written into
+the test's directory.
 """
 
 import json
@@ -21,7 +23,7 @@ import data
 import rewards
 import train
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
-from support import checkpoint
+from support import checkpoint, reward_loading, signals
 
 MODULE = "isolation_rewards"
 
@@ -68,20 +70,21 @@ def looks(completions, answers, prompts, tags, completion_lengths):
 
 
 def user_module(tmp_path, monkeypatch):
-    """REWARDS as ./isolation_rewards.py, the working directory tmp_path (where --reward-fn imports from)."""
+    """REWARDS as ./isolation_rewards.py, in the working directory tmp_path (--reward-fn's)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / f"{MODULE}.py").write_text(REWARDS)
     monkeypatch.delitem(sys.modules, MODULE, raising=False)
 
 
 class Hung(BaseException):
-    """The safety alarm went off: the run did not stop on its own (the code before --reward-timeout hangs here)."""
+    """The safety alarm went off: the run did not stop on its own (as before --reward-timeout)."""
 
 
 @pytest.fixture
 def safety_alarm():
-    """A SIGALRM timer of the test's own, 30 s, so that a run that would hang fails instead (Hung); a run well under
-    it takes a few seconds. The reward's time limit must put it back: the test checks it is still pending after."""
+    """A SIGALRM timer of the test's own, 30 s, so that a run that would hang fails instead (Hung);
+    a run well under it takes a few seconds. The reward's time limit must put it back: the test
+    checks it is still pending after."""
 
     def hung(signum, frame):
         raise Hung
@@ -94,7 +97,7 @@ def safety_alarm():
 
 
 def stopped_run(argv, capsys):
-    """train.main(argv), which must exit with code 2 and one paragraph, no traceback: that paragraph."""
+    """train.main(argv), which must exit with code 2 and one paragraph, no traceback: that one."""
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv)
     err = capsys.readouterr().err
@@ -109,7 +112,7 @@ def stopped_run(argv, capsys):
 def test_a_reward_function_that_calls_sys_exit_or_raises_a_base_exception_saves_and_exits_2_naming_it(
     tmp_path, monkeypatch, capsys, fn, raised
 ):
-    # before: sys.exit(0) ended the run with exit code 0, no message, no checkpoint; Boom was a traceback
+    # before: sys.exit(0) ended the run with code 0, no message, no checkpoint; Boom was a traceback
     user_module(tmp_path, monkeypatch)
     err = stopped_run(own_task_argv(tmp_path, "--reward-fn", f"{MODULE}:{fn}"), capsys)
     assert f"error: reward function {fn!r} raised {raised}" in err
@@ -118,7 +121,7 @@ def test_a_reward_function_that_calls_sys_exit_or_raises_a_base_exception_saves_
     assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0
 
 
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), train.Stopped(signal.SIGTERM)])
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), signals.Stopped(signal.SIGTERM)])
 def test_ctrl_c_and_a_signals_stop_inside_a_reward_function_pass_through_untouched(interrupt):
     calls = []
 
@@ -138,9 +141,10 @@ def test_ctrl_c_and_a_signals_stop_inside_a_reward_function_pass_through_untouch
 def test_each_reward_function_gets_its_own_copy_of_every_argument_and_later_steps_see_the_data_unchanged(
     tmp_path, monkeypatch
 ):
-    # `mutates` reverses and overwrites the completions, appends to every list-valued answer and field, clears the
-    # prompts and zeroes the lengths; `looks`, called after it on the same batch, and both functions at step 2 must
-    # see what they would have without it. Before: all of it leaked.
+    # `mutates` reverses and overwrites the completions, appends to every list-valued answer and
+    # field, clears the prompts and zeroes the lengths; `looks`, called after it on the same batch,
+    # and both functions at step 2 must see what they would have without it. Before: all of it
+    # leaked.
     user_module(tmp_path, monkeypatch)
     rows = [{"prompt": f"{i} + 1 =", "answer": [str(i + 1)], "tags": [f"tag{i}"]} for i in range(4)]
     argv = own_task_argv(
@@ -159,7 +163,7 @@ def test_each_reward_function_gets_its_own_copy_of_every_argument_and_later_step
     for step in range(2):
         assert seen["looks"][step] == seen["mutates"][step]
         completions, answers, prompts, tags, lengths = seen["looks"][step]
-        # each step scores the 4 rows, G = 2 completions each, with the data's own answers and fields
+        # each step scores the 4 rows, G = 2 completions each, with the data's answers and fields
         assert len(completions) == len(prompts) == len(lengths) == 8 and all(n > 0 for n in lengths)
         by_prompt = {row["prompt"]: row for row in rows}
         assert answers == [by_prompt[p]["answer"] for p in prompts]
@@ -187,14 +191,14 @@ def test_a_task_scored_twice_keeps_its_rows_and_each_completion_gets_its_own_ans
     before = json.loads(json.dumps(train_rows))
     for _ in range(2):
         total, _ = task.score(train_rows, ["a", "b", "c"], G=3)
-        # G = 3 copies of the row's answer, one each: every one had one element when the function got it
+        # G = 3 copies of the row's answer, one each: each had one element when the function got it
         assert total.tolist() == [2.0, 2.0, 2.0]
     assert train_rows == before
 
 
 @pytest.mark.parametrize("value", [1e39, -1e39, 3.5e38])
 def test_a_reward_beyond_float32s_range_is_refused_by_name(value):
-    # finite as a Python float, inf in float32: before, it passed the finite check and the loss blamed --lr
+    # finite as a Python float, inf in float32: it used to pass the finite check, and blame --lr
     def huge(completions, answers):
         return [0.0, value]
 
@@ -203,7 +207,7 @@ def test_a_reward_beyond_float32s_range_is_refused_by_name(value):
     assert str(info.value).startswith(
         f"reward function 'huge' returned {value} for completion 1, beyond the range of float32 (±3.403e+38)"
     )
-    # the largest float32 itself, and the float just above it that float32 rounds down to it, are accepted
+    # the largest float32, and the float just above it that float32 rounds down to it, are accepted
     largest = torch.finfo(torch.float32).max
     for v in (
         largest,
@@ -218,7 +222,7 @@ def test_a_reward_beyond_float32s_range_is_refused_by_name(value):
 def test_a_hung_reward_function_stops_the_run_at_the_reward_timeout_saves_and_exits_2(
     tmp_path, monkeypatch, capsys, safety_alarm, fn
 ):
-    # time.sleep(3600) and a pure-Python busy loop; before --reward-timeout, both hung the run forever
+    # time.sleep(3600) and a pure-Python busy loop: before --reward-timeout, both hung the run
     user_module(tmp_path, monkeypatch)
     argv = own_task_argv(tmp_path, "--reward-fn", f"{MODULE}:{fn}", "--reward-timeout", "1")
     err = stopped_run(argv, capsys)
@@ -228,7 +232,7 @@ def test_a_hung_reward_function_stops_the_run_at_the_reward_timeout_saves_and_ex
         in err
     )
     assert "--reward-timeout SECONDS (0: no limit)" in err
-    # 1 s, then the checkpoint of a tiny model (well under a second); 4 s of slack for a loaded 2-core machine
+    # 1 s, then the checkpoint of a tiny model (well under a second); 4 s of slack for a busy CPU
     assert 1.0 <= stopped_after < 5.0, stopped_after
     assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0
     # the test's own alarm is back, with the time it had left
@@ -246,7 +250,7 @@ def test_the_reward_timeout_applies_to_evaluation_too(tmp_path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_the_search_for_the_completion_a_function_fails_on_stops_at_the_time_limit(safety_alarm):
-    # raises on the batch, hangs on each completion alone: the search one completion at a time must not hang
+    # raises on the batch, hangs on each completion alone: the one-at-a-time search must not hang
     def batch_fails_alone_hangs(completions, answers):
         if len(completions) > 1:
             raise ValueError("not on batches")
@@ -269,7 +273,7 @@ def test_the_search_for_the_completion_a_function_fails_on_stops_at_the_time_lim
 
 @pytest.mark.slow
 def test_a_function_that_catches_the_alarm_or_runs_off_the_main_thread_is_refused_once_it_returns_late():
-    # in the main thread: the alarm is caught (a bare except), then the function returns after its limit
+    # in the main thread: the alarm is caught (a bare except), then the function returns too late
     def swallows(completions, answers):
         try:
             time.sleep(0.5)
@@ -280,7 +284,7 @@ def test_a_function_that_catches_the_alarm_or_runs_off_the_main_thread_is_refuse
     slow = rewards.Reward("swallows", swallows, 1.0, timeout=0.2)
     with pytest.raises(config.UserError, match=r"'swallows' did not return within 0.2 s"):
         rewards.score([slow], ["a"], ["1"])
-    # off the main thread no alarm is set (the SIGALRM handler stays as it is): refused when it returns
+    # off the main thread no alarm is set (the SIGALRM handler stays as it is): refused on return
     errors, handler = [], signal.getsignal(signal.SIGALRM)
 
     def score_in_a_thread():
@@ -313,7 +317,7 @@ def test_a_timer_of_your_own_that_expires_during_a_reward_call_goes_off_right_af
 
         rewards.score([rewards.Reward("slowish", slowish, 1.0, timeout=5.0)], ["a"], ["1"])
         time.sleep(0.1)
-        # once, after the function, at once: re-armed with 1 microsecond as the call ends (0.1 s of slack)
+        # once, right after the function: re-armed with 1 microsecond as the call ends (0.1 s slack)
         assert len(fired) == 1 and done[0] <= fired[0] < done[0] + 0.1
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     finally:
@@ -330,20 +334,21 @@ def test_reward_timeout_flag_reaches_every_reward_function_and_model(tmp_path):
             *"--reward-timeout 7".split(),
         )
     )
-    assert [(r.name, r.timeout) for r in rewards.from_flags(args, [])] == [
+    assert [(r.name, r.timeout) for r in reward_loading.from_flags(args, [])] == [
         ("format", 7.0),
         ("tiny-rm", 7.0),
     ]
     default = config.parse_args(own_task_argv(tmp_path))
     assert [
-        r.timeout for r in rewards.from_flags(default, [("format", rewards.format_reward)])
+        r.timeout for r in reward_loading.from_flags(default, [("format", rewards.format_reward)])
     ] == [rewards.DEFAULT_TIMEOUT]
     assert default.reward_timeout == rewards.DEFAULT_TIMEOUT == 600.0
 
 
 def test_a_reward_function_that_sets_its_own_alarm_as_math_verify_does_still_works():
-    # math_verify's timeout: its own SIGALRM handler and signal.alarm around each parse, then alarm(0) and the handler
-    # put back. Run in the main thread (no worker thread, where signal.signal raises), it works as it would alone.
+    # math_verify's timeout: its own SIGALRM handler and signal.alarm around each parse, then
+    # alarm(0) and the handler put back. Run in the main thread (no worker thread, where
+    # signal.signal raises), it works as it would alone.
     class ParseTimeout(Exception):
         pass
 

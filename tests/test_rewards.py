@@ -1,6 +1,7 @@
-"""rewards.py: answer extraction, correctness, format, the overlong penalty, extreme inputs and fuzz, every gold
-answer of the real GSM8K (where it is found beside the repository), your own reward functions (--reward-fn) and
-reward models (--reward-model). Logged rewards are float32 means: sums of them are compared at 1e-6.
+"""rewards.py: answer extraction, correctness, format, the overlong penalty, extreme inputs and
+fuzz, every gold answer of the real GSM8K (where it is found beside the repository); your own
+reward functions (--reward-fn, support/reward_loading.py) and reward models (--reward-model,
+support/reward_model.py). Logged rewards are float32 means: sums of them are compared at 1e-6.
 """
 
 import random
@@ -21,7 +22,8 @@ from data import batch_at, load_gsm8k
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
 from scripts import bench
-from support import checkpoint
+from support import checkpoint, reward_loading
+from support.reward_model import RewardModel
 
 
 def check_all_rewards(completions: list[str]) -> None:
@@ -55,7 +57,7 @@ EXTREMES = [
 
 
 def write_module(tmp_path, name, source):
-    """A user's reward file `name`.py in tmp_path, importable afresh (no earlier module of that name cached)."""
+    """A user's reward file `name`.py in tmp_path, importable afresh (no old module cached)."""
     (tmp_path / f"{name}.py").write_text(source)
     sys.modules.pop(name, None)
     return name
@@ -84,7 +86,7 @@ def generator_that_raises(completions, answers):
     yield 1 / 0
 
 
-# --- extraction -------------------------------------------------------------------------------------------------------
+# --- extraction -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,7 @@ def test_extract_answer_nested_and_unclosed_tags_read_the_innermost_last_block()
     assert extract_answer("<answer>1</answer> <answer>2") == "1"
 
 
-# --- correctness ------------------------------------------------------------------------------------------------------
+# --- correctness ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -179,7 +181,7 @@ def test_correctness_reference_that_is_not_a_number_scores_zero():
     ]
 
 
-# --- format -----------------------------------------------------------------------------------------------------------
+# --- format ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -210,7 +212,7 @@ def test_format_reward_ignores_answers_to_fit_the_contract():
     assert format_reward(["<think>a</think><answer>1</answer>"], ["999"]) == [0.5]
 
 
-# --- overlong (DAPO eq. 13) -------------------------------------------------------------------------------------------
+# --- overlong (DAPO eq. 13) -----------------------------------------------------------------------
 
 
 def test_overlong_penalty_max_100_cache_20_lengths_50_90_110_give_0_minus_half_minus_1():
@@ -233,7 +235,7 @@ def test_overlong_reward_is_dapo_eq_13_of_the_token_counts():
     ]
 
 
-# --- robustness: extreme inputs and fuzz ------------------------------------------------------------------------------
+# --- robustness: extreme inputs and fuzz ----------------------------------------------------------
 
 
 def test_rewards_on_extreme_inputs_return_floats_in_range():
@@ -270,7 +272,7 @@ def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
     check_all_rewards(completions)
 
 
-# --- the real data ----------------------------------------------------------------------------------------------------
+# --- the real data --------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(
@@ -293,13 +295,13 @@ def test_real_gsm8k_every_gold_answer_scores_1_and_gold_plus_1_scores_0():
     print(f"scored {len(rows)} rows x 3 in {time.perf_counter() - start:.3f}s")
 
 
-# --- your own reward functions: --reward-fn, names, weights, the arguments they declare -------------------------------
+# --- your own reward functions: --reward-fn, names, weights, the arguments they declare -----------
 
 
 @pytest.mark.slow
 def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monkeypatch):
     """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
-    --reward-fn my_rewards:exact --reward-weights 1.0 (in process, from the directory holding my_rewards.py)."""
+    --reward-fn my_rewards:exact --reward-weights 1.0 (in process, in my_rewards.py's directory)."""
     monkeypatch.chdir(tmp_path)
     write_module(
         tmp_path,
@@ -449,7 +451,7 @@ def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(
     if source is not None:
         write_module(tmp_path, "user_mod", source)
     with pytest.raises(config.UserError, match=re.escape(message)):
-        rewards.load_reward_fn(spec)
+        reward_loading.load_reward_fn(spec)
 
 
 def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
@@ -494,10 +496,12 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
     with pytest.raises(ValueError, match="bad.jsonl:1: a field may not be named 'prompts'"):
         data.load_jsonl(path)
     with pytest.raises(config.UserError, match="no reward may be named 'reward'"):
-        rewards.from_flags(config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)])
+        reward_loading.from_flags(
+            config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)]
+        )
 
 
-# --- reward functions that fail or return something else than numbers -------------------------------------------------
+# --- reward functions that fail or return something else than numbers -----------------------------
 
 
 @pytest.mark.parametrize(
@@ -593,14 +597,14 @@ def test_a_reward_failure_quotes_only_the_first_200_characters_of_the_completion
     assert repr("x" * 150 + "y" * 50) + "." in str(info.value) and "y" * 51 not in str(info.value)
 
 
-# --- reward models: --reward-model ------------------------------------------------------------------------------------
+# --- reward models: --reward-model ----------------------------------------------------------------
 
 
 def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on_cpu(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     path = tiny_reward_model_dir(tmp_path)
-    scorer = rewards.RewardModel(path, "cpu", batch_size=3)
+    scorer = RewardModel(path, "cpu", batch_size=3)
     prompts = ["3 + 4 =", "1 + 1 =", "5 + 5 =", "2 + 0 ="]
     completions = ["<answer> 7", "2", "<answer> 10 </answer>", ""]
     scores = scorer(completions, [None] * 4, prompts)
@@ -609,7 +613,8 @@ def test_a_reward_model_scores_each_text_as_it_would_alone_frozen_and_in_fp32_on
         reference(**scorer.tokenizer(f"{p}\n{c}", return_tensors="pt")).logits[0, 0].item()
         for p, c in zip(prompts, completions)
     ]
-    # The same fp32 model, padded in batches of 3 vs one text at a time: equal up to summation order (~1e-7).
+    # The same fp32 model, padded in batches of 3 vs one text at a time: equal up to summation order
+    # (~1e-7).
     assert scores == pytest.approx(alone, abs=1e-5)
     assert len(set(scores)) == 4  # the texts differ, and so do their scores
     params = list(scorer.model.parameters())
@@ -647,12 +652,12 @@ def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_th
 
 def test_a_reward_model_must_load_as_a_classifier_with_one_output(tmp_path):
     with pytest.raises(config.UserError, match="has 2 outputs; a reward model has one"):
-        rewards.RewardModel(tiny_reward_model_dir(tmp_path, num_labels=2))
+        RewardModel(tiny_reward_model_dir(tmp_path, num_labels=2))
     with pytest.raises(config.UserError, match="could not load it as a sequence classifier"):
-        rewards.RewardModel(str(tmp_path / "no-such-model"))
+        RewardModel(str(tmp_path / "no-such-model"))
 
 
-# --- --task addition: the last number of the completion ---------------------------------------------------------------
+# --- --task addition: the last number of the completion -------------------------------------------
 
 
 @pytest.mark.parametrize(

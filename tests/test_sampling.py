@@ -1,7 +1,8 @@
-"""sampling.py: token_logprobs against the naive log-softmax (values and gradients), the lean decode against
-transformers' generate, generation that follows the flags alone, top-k then top-p as transformers does, and the
-sampled distribution (chi-square). Tolerances: fp32 on both sides, differing in summation order only (~1e-7), are
-compared at 1e-5; a test that needs another bound states it.
+"""sampling.py: token_logprobs against the naive log-softmax (values and gradients), the lean decode
+against transformers' generate, generation that follows the flags alone, top-k then top-p as
+transformers does, and the sampled distribution (chi-square). Tolerances: fp32 on both sides,
+differing in summation order only (~1e-7), are compared at 1e-5; a test that needs another bound
+states it.
 """
 
 import collections
@@ -34,7 +35,8 @@ def logprobs_and_grad(model, fn):
 
 
 def count_cache_repeats(monkeypatch):
-    """Spy on DynamicCache.batch_repeat_interleave: the prompt-once path calls it, the plain path does not."""
+    """Spy on DynamicCache.batch_repeat_interleave: the prompt-once path calls it, the plain path
+    does not."""
     from transformers import DynamicCache
 
     calls = []
@@ -49,7 +51,8 @@ def count_cache_repeats(monkeypatch):
 
 
 def left_padded_prompts(lengths, vocab_size, seed=1):
-    """[B, P] ids and mask, left-padded with id 0, prompts of the given lengths (random ids >= 2)."""
+    """[B, P] ids and mask, left-padded with id 0, prompts of the given lengths (random ids >=
+    2)."""
     g = torch.Generator().manual_seed(seed)
     P = max(lengths)
     ids, mask = (
@@ -63,13 +66,14 @@ def left_padded_prompts(lengths, vocab_size, seed=1):
 
 
 def small_llama(seed=0):
-    """demo.py's builder with grouped-query attention, pad id 0 and EOS id 1 in its generation config."""
+    """demo.py's builder with grouped-query attention, pad id 0 and EOS id 1 in its generation
+    config."""
     return demo.tiny_llama(97, seed, num_key_value_heads=2, tie_word_embeddings=False).eval()
 
 
 def chi_square_bound(dof, z=3.719):
-    """The chi-square quantile of dof degrees of freedom at the normal quantile z (3.719: p = 1e-4), by the
-    Wilson-Hilferty approximation (within 1% of the exact quantile for dof >= 3)."""
+    """The chi-square quantile of dof degrees of freedom at the normal quantile z (3.719: p =
+    1e-4), by the Wilson-Hilferty approximation (within 1% of the exact quantile for dof >= 3)."""
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
@@ -85,7 +89,8 @@ def hf_warpers(scores, temperature, top_k, top_p):
     return scores
 
 
-# --- token_logprobs: equal to the naive log-softmax, the prompt once per group, the chunked head ----------------------
+# --- token_logprobs: equal to the naive log-softmax, the prompt once per group, the chunked head
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("group_size", [1, 4], ids=["plain", "prompt-once-per-group"])
@@ -169,10 +174,11 @@ def test_token_logprobs_takes_the_prompt_once_path_only_where_it_can(
 
 
 def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_head():
-    # Under autocast the model's lm-head matmul runs in bf16; ours must compute (and differentiate) the same thing.
-    # Reference: autograd through (h.bf16 @ W.bf16ᵀ).float() / T. Both sides use bf16 matmuls of identical inputs;
-    # they differ only in how bf16 partial results are summed (ours accumulates chunk gradients of W in fp32), so
-    # they agree to bf16 resolution: rtol 2e-2 is ~5 units of bf16's 2^-8 relative rounding.
+    # Under autocast the model's lm-head matmul runs in bf16; ours must compute (and differentiate)
+    # the same thing. Reference: autograd through (h.bf16 @ W.bf16ᵀ).float() / T. Both sides use
+    # bf16 matmuls of identical inputs; they differ only in how bf16 partial results are summed
+    # (ours accumulates chunk gradients of W in fp32), so they agree to bf16 resolution: rtol 2e-2
+    # is ~5 units of bf16's 2^-8 relative rounding.
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(37, 16, generator=gen) * 3).requires_grad_()
     weight = (torch.randn(50, 16, generator=gen)).requires_grad_()
@@ -193,8 +199,9 @@ def test_linear_logprobs_under_bf16_autocast_match_autograd_of_the_same_bf16_hea
 
 
 def test_token_logprobs_equal_the_log_probs_generate_sampled_from():
-    # generate's processed scores at temperature 0.7 (no top-k/top-p) are exactly the distribution each token was
-    # drawn from; token_logprobs must give the same log-probs for the drawn tokens (left-padded, fp32: 1e-5).
+    # generate's processed scores at temperature 0.7 (no top-k/top-p) are exactly the distribution
+    # each token was drawn from; token_logprobs must give the same log-probs for the drawn tokens
+    # (left-padded, fp32: 1e-5).
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=1, completion_length=1)
     prompt, prompt_mask = ids[:, :-1], attention[:, :-1]
@@ -227,15 +234,17 @@ def test_token_logprobs_equal_the_log_probs_generate_sampled_from():
     torch.testing.assert_close(logps, sampled, rtol=0, atol=1e-5)
 
 
-# --- the decode path: each prompt prefilled once, finished rows leave the batch ---------------------------------------
+# --- the decode path: each prompt prefilled once, finished rows leave the batch
+# --------------------------------------------------------------------------------------------------
 
 
 def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefills_each_prompt_once():
     model = small_llama()
     # the 1-token prompt's prefill columns are all padding
     ids, mask = left_padded_prompts([5, 1, 8, 3], 97)
-    # top-k = 1: sampling keeps only the argmax, so decode is greedy and must equal transformers' greedy generate
-    # (on the prompts repeated G times) token for token, EOS and the padding after it included.
+    # top-k = 1: sampling keeps only the argmax, so decode is greedy and must equal transformers'
+    # greedy generate (on the prompts repeated G times) token for token, EOS and the padding after
+    # it included.
     settings = sampling.Sampling(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=12)
     batches = []
     model.model.embed_tokens.register_forward_pre_hook(
@@ -270,7 +279,8 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
     torch.manual_seed(0)
     with bench.forced_lengths_in_decode([lengths], demo.EOS):  # bench.py's, from outside decode
         out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
-    # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS after it.
+    # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS
+    # after it.
     assert batches == [2, 5, 4, 3, 3, 2, 2, 2]
     assert out.shape == (6, 8)
     completion_mask = grpo.completion_mask(out, [demo.EOS])
@@ -287,10 +297,10 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
 
 
 def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in_decode():
-    # bench.py --real-length: TRL's side samples with transformers' generate() and bench.ForcedLengths (through
-    # bench.force_lengths, which hands each generate call its step's lengths), ours with decode() inside
-    # bench.forced_lengths_in_decode. Both must end every row where the lengths say (9 > 8 new tokens: cut off, no
-    # EOS).
+    # bench.py --real-length: TRL's side samples with transformers' generate() and
+    # bench.ForcedLengths (through bench.force_lengths, which hands each generate call its step's
+    # lengths), ours with decode() inside bench.forced_lengths_in_decode. Both must end every row
+    # where the lengths say (9 > 8 new tokens: cut off, no EOS).
     from scripts import bench
 
     model = small_llama()
@@ -321,7 +331,8 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
 @pytest.mark.slow
 def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
     # Compiled, decode keeps every planned row in the batch (here 8 for 6 real rows): the rows that
-    # bench.forced_lengths_in_decode forces are the real ones, padding rows never written out. Same lengths as eager.
+    # bench.forced_lengths_in_decode forces are the real ones, padding rows never written out. Same
+    # lengths as eager.
     from scripts import bench
 
     model = small_llama()
@@ -337,9 +348,9 @@ def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
 
 
 def test_bench_times_the_loop_itself(tmp_path):
-    # bench.py --step (and --vs-trl's side A) runs train.train, not a copy of its step: 2 steps of the tiny config
-    # with forced real lengths call train's own policy_update twice and frozen_logps twice (beta > 0), and the phases
-    # and completion tokens it reports are those calls'.
+    # bench.py --step (and --vs-trl's side A) runs train.train, not a copy of its step: 2 steps of
+    # the tiny config with forced real lengths call train's own policy_update twice and frozen_logps
+    # twice (beta > 0), and the phases and completion tokens it reports are those calls'.
     import argparse
     from unittest import mock
 
@@ -388,9 +399,10 @@ def test_bench_times_the_loop_itself(tmp_path):
 
 
 def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
-    # Top-k and top-p off: decode samples from softmax(logits / 0.7), the distribution token_logprobs evaluates; the
-    # log-prob each token was drawn with must be token_logprobs' value for it (left-padded prompts of three lengths,
-    # rows of several lengths; fp32 through different batch shapes and a static vs repeated cache: 1e-5).
+    # Top-k and top-p off: decode samples from softmax(logits / 0.7), the distribution
+    # token_logprobs evaluates; the log-prob each token was drawn with must be token_logprobs' value
+    # for it (left-padded prompts of three lengths, rows of several lengths; fp32 through different
+    # batch shapes and a static vs repeated cache: 1e-5).
     model = small_llama()
     ids, mask = left_padded_prompts([7, 4, 2], 97)
     settings = sampling.Sampling(temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=40)
@@ -409,7 +421,8 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
     torch.testing.assert_close(logps * completion_mask, drawn, rtol=0, atol=1e-5)
 
 
-# --- generation: the flags only, the exact distribution, long prompts -------------------------------------------------
+# --- generation: the flags only, the exact distribution, long prompts
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -417,11 +430,12 @@ def test_decode_log_probs_are_what_token_logprobs_gives_its_samples():
 def test_two_token_completions_follow_the_exact_distribution_of_temperature_top_k_top_p(
     path, monkeypatch
 ):
-    # The exact probability of every two-token completion (or of EOS first) from one prompt, computed from the
-    # model's logits through transformers-equal warpers (T = 0.5, top-k 4, top-p 0.8), against the counts of 6,000
-    # samples: a chi-square test at p = 1e-4 (one fixed seed, so the result is the same at every run). decode() is
-    # the lean path; "generate" is transformers' generate() with our processor, the path it replaced. A token
-    # outside the survivors has probability 0 and fails the test by itself.
+    # The exact probability of every two-token completion (or of EOS first) from one prompt,
+    # computed from the model's logits through transformers-equal warpers (T = 0.5, top-k 4, top-p
+    # 0.8), against the counts of 6,000 samples: a chi-square test at p = 1e-4 (one fixed seed, so
+    # the result is the same at every run). decode() is the lean path; "generate" is transformers'
+    # generate() with our processor, the path it replaced. A token outside the survivors has
+    # probability 0 and fails the test by itself.
     model, T, k, p, N = small_llama(), 0.5, 4, 0.8, 6000
     ids, mask = left_padded_prompts([5], 97)
     warp = decode.TemperatureTopKTopP(T, k, p)
@@ -526,7 +540,8 @@ def test_generation_follows_the_flags_not_the_checkpoints_generation_config(path
         )
 
 
-# --- top-k then top-p on the survivors, as transformers does ----------------------------------------------------------
+# --- top-k then top-p on the survivors, as transformers does
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("top_k", [0, 1, 5, 50, 1000])
@@ -543,10 +558,11 @@ def test_one_processor_equals_hf_temperature_then_top_k_then_top_p_on_random_log
     "top_p, survivors", [(1.0, [0, 1, 2, 3, 4]), (0.99, [0, 1, 2, 3, 4]), (0.8, [0, 1]), (0.5, [0])]
 )
 def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
-    # logits 5, 4, then 2 three times: top-k=3 keeps all five (ties with the 3rd survive, as in HF). Probabilities
-    # over them 0.658, 0.242, 0.033 x3: ascending cumulative 0.033 0.066 0.098 0.341 1, so top-p 0.8 drops the three
-    # tied tokens (cumulative <= 0.2) and 0.5 also token 1. No top-p cut falls inside the tied block (where HF's own
-    # result depends on torch.sort's unstable order of equal logits).
+    # logits 5, 4, then 2 three times: top-k=3 keeps all five (ties with the 3rd survive, as in HF).
+    # Probabilities over them 0.658, 0.242, 0.033 x3: ascending cumulative 0.033 0.066 0.098 0.341
+    # 1, so top-p 0.8 drops the three tied tokens (cumulative <= 0.2) and 0.5 also token 1. No top-p
+    # cut falls inside the tied block (where HF's own result depends on torch.sort's unstable order
+    # of equal logits).
     scores = torch.tensor([[5.0, 4.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2, 1)
     scores[1] = scores[1].flip(0)  # the same logits in reverse vocabulary order
     ours = decode.TemperatureTopKTopP(1.0, 3, top_p)(None, scores)
@@ -557,7 +573,8 @@ def test_top_k_3_keeps_all_tokens_tied_with_the_third_like_hf(top_p, survivors):
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5])
 def test_step_1_token_logprobs_of_the_policy_and_the_reference_give_loss_minus_2_and_kl_0(beta):
-    # test_grpo.py's step-1 example, on a real model: token_logprobs with and without a gradient agree exactly.
+    # test_grpo.py's step-1 example, on a real model: token_logprobs with and without a gradient
+    # agree exactly.
     model = tiny_llama()
     ids, attention = left_padded_batch(group_size=2, prompt_lengths=(5, 3))
     logps = token_logprobs(model, ids, attention, 5)

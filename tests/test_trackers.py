@@ -1,9 +1,10 @@
-"""--report-to: tiny demo runs (train.main, or helpers.run_tiny where a crash is needed) read back from what each
-tracker wrote, with no network. TensorBoard: its event files through TensorBoard's own EventAccumulator (every
-metrics.jsonl field at its step with the same value, the flags, the samples; resume continuing the step axis, what a
-crash logged past its checkpoint purged; --overwrite starting afresh). W&B in offline mode: its run file (history,
-summary, config), the samples table, the run a resume continues. Then rank 0 alone reporting, the missing package
-said before any model loads, and a tracker failing to start or mid-run.
+"""--report-to: tiny demo runs (train.main, or helpers.run_tiny where a crash is needed) read back
+from what each tracker wrote, with no network. TensorBoard: its event files through TensorBoard's
+own EventAccumulator (every metrics.jsonl field at its step with the same value, the flags, the
+samples; resume continuing the step axis, what a crash logged past its checkpoint purged;
+--overwrite starting afresh). W&B in offline mode: its run file (history, summary, config), the
+samples table, the run a resume continues. Then rank 0 alone reporting, the missing package said
+before any model loads, and a tracker failing to start or mid-run.
 """
 
 import glob
@@ -25,7 +26,8 @@ pytest.importorskip("wandb")
 
 
 def main(out_dir, *extra):
-    """train.main on tiny_argv's demo run (4 prompts x G = 4 per step) with `extra`; SystemExit's code, else 0."""
+    """train.main on tiny_argv's demo run (4 prompts x G = 4 per step) with `extra`; SystemExit's
+    code, else 0."""
     try:
         train.main(tiny_argv(out_dir, *extra))
     except SystemExit as e:
@@ -34,25 +36,28 @@ def main(out_dir, *extra):
 
 
 def saved_flags(out_dir):
-    """The flags the run's last checkpoint saved, as JSON values: what the trackers hold as the run's config."""
+    """The flags the run's last checkpoint saved, as JSON values: what the trackers hold as the
+    run's config."""
     state = checkpoint.load_state(os.path.join(out_dir, "checkpoint"))
     return json.loads(json.dumps(state["args"], default=str))
 
 
 def rows_by_step(out_dir):
-    """metrics.jsonl's rows merged by step (a step's training row and its evaluation row), without "step"."""
+    """metrics.jsonl's rows merged by step (a step's training row and its evaluation row),
+    without "step"."""
     merged = {}
     for row in read_metrics(out_dir):
         merged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
     return merged
 
 
-# --- TensorBoard ------------------------------------------------------------------------------------------------------
+# --- TensorBoard
+# --------------------------------------------------------------------------------------------------
 
 
 def tensorboard_events(log_dir):
-    """{tag: [(step, value)]} of the event files in log_dir as TensorBoard's server reads them (its plugin event
-    accumulator: restarts purged): numbers as floats, texts as strings."""
+    """{tag: [(step, value)]} of the event files in log_dir as TensorBoard's server reads them
+    (its plugin event accumulator: restarts purged): numbers as floats, texts as strings."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
@@ -132,7 +137,8 @@ def test_tensorboard_keeps_text_fields_as_text_and_shows_any_completion_as_writt
 
 
 def crash_at_training_step(monkeypatch, n):
-    """rewards.score raises in the n-th training step (tiny_argv's steps score 16 completions): a crash, no save."""
+    """rewards.score raises in the n-th training step (tiny_argv's steps score 16 completions): a
+    crash, no save."""
     real, steps = rewards.score, []
 
     def score(reward_fns, completions, *a, **kw):
@@ -174,12 +180,14 @@ def test_resume_continues_the_tensorboard_step_axis_and_purges_what_a_crash_logg
     assert json.loads(uncode(events["flags/text_summary"][1][1]))["resume"] is True
 
 
-# --- W&B --------------------------------------------------------------------------------------------------------------
+# --- W&B
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
-    """W&B offline and quiet, everything it writes under tmp_path (WANDB_DIR unset: the run's own default)."""
+    """W&B offline and quiet, everything it writes under tmp_path (WANDB_DIR unset: the run's own
+    default)."""
     for name, value in dict(
         WANDB_MODE="offline",
         WANDB_SILENT="true",
@@ -195,9 +203,9 @@ def wandb_offline(tmp_path, monkeypatch):
 
 
 def wandb_records(path):
-    """The records of an offline W&B run file (run-<id>.wandb), as protobuf Records: W&B's 7-byte header, then
-    LevelDB's log format: 32 KiB blocks of chunks (crc32, length, type: 1 whole, 2 first, 3 middle, 4 last), a
-    block's tail shorter than a chunk header left as padding."""
+    """The records of an offline W&B run file (run-<id>.wandb), as protobuf Records: W&B's 7-byte
+    header, then LevelDB's log format: 32 KiB blocks of chunks (crc32, length, type: 1 whole, 2
+    first, 3 middle, 4 last), a block's tail shorter than a chunk header left as padding."""
     from wandb.proto import wandb_internal_pb2
 
     block, header = 32 * 1024, 7
@@ -224,7 +232,8 @@ def items(updates):
 
 
 def offline_run(wandb_dir):
-    """The one offline run under wandb_dir/wandb: its run record, history {step: row} and final summary."""
+    """The one offline run under wandb_dir/wandb: its run record, history {step: row} and final
+    summary."""
     [path] = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))
     records = wandb_records(path)
     kinds = [r.WhichOneof("record_type") for r in records]
@@ -256,7 +265,8 @@ def test_wandb_offline_run_holds_every_row_the_flags_and_samples_and_resume_cont
     assert run.run_id == run_id and run.project == "grpo" and run.display_name == "run"
     assert run_dir.endswith(run_id)
 
-    # the history: every metrics.jsonl row at its step (training and evaluation rows of a step in one)
+    # the history: every metrics.jsonl row at its step (training and evaluation rows of a step in
+    # one)
     expected = rows_by_step(out)
     assert {step: without_wandb_keys(row) for step, row in history.items()} == expected
     # the summary: each name's last value; the config: the flags
@@ -289,17 +299,18 @@ def test_wandb_offline_run_holds_every_row_the_flags_and_samples_and_resume_cont
     assert (out / "wandb_run_id").read_text().strip() != run_id
 
 
-# --- rank 0 alone, the missing package, failures ----------------------------------------------------------------------
+# --- rank 0 alone, the missing package, failures
+# --------------------------------------------------------------------------------------------------
 
 
 def test_under_torchrun_only_rank_0_starts_trackers(tmp_path, monkeypatch, wandb_offline):
     monkeypatch.setattr(distributed, "is_main", lambda: False)
     args = config.parse_args(tiny_argv(tmp_path / "run", "--report-to", "tensorboard,wandb"))
-    path, _ = report.open_log(str(tmp_path / "run"), None, args)
-    report.write_log(path, {"step": 1, "reward": 0.5})
-    report.print_sample(args, 1, "prompt", ["a", "b"], [1.0, 0.0], "answer")
-    assert report.OPEN_TRACKERS[os.path.abspath(path)].live == []
-    report.close_log(path)
+    log, _ = report.open_log(str(tmp_path / "run"), None, args)
+    log.write({"step": 1, "reward": 0.5})
+    report.print_sample(log, 1, 1, "prompt", ["a", "b"], [1.0, 0.0], "answer")
+    assert log.trackers.live == []
+    log.close()
     assert {"tensorboard", "wandb", "wandb_run_id"} & set(os.listdir(tmp_path / "run")) == set()
 
 

@@ -1,0 +1,125 @@
+"""The run's rewards from its flags: --reward-fn, --reward-model, --reward-weights,
+--reward-timeout and --overlong-buffer (from_flags), and --extract-answer's function
+(load_reward_fn). Whatever cannot work is a UserError now, not at step 1.
+"""
+
+import importlib
+import inspect
+import os
+import sys
+
+import torch
+
+import rewards
+from support.errors import UserError
+from support.reward_model import RewardModel
+from support.sandbox import raised_at
+
+
+def from_flags(args, defaults, fields=()):
+    """The run's rewards, [rewards.Reward]: --reward-fn's functions (without it the task's own
+    `defaults`, [(name, fn)]), then --reward-model's models, weighted by --reward-weights in that
+    order (every weight 1.0 without it), each given --reward-timeout's time limit. `fields`: the
+    data rows' other fields, which a function may declare as parameters."""
+    named = [load_reward_fn(spec) for spec in args.reward_fn] if args.reward_fn else list(defaults)
+    names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
+    names += ["overlong"] if args.overlong_buffer > 0 else []
+    weights = args.reward_weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise UserError(
+            f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
+            f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
+            f"{len(weights)}."
+        )
+    if "reward" in names:
+        raise UserError(
+            "no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
+            "function."
+        )
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(
+            f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
+            "and reward model may be given once, and their names must differ."
+        )
+    for name, fn in named:
+        check_signature(name, fn, fields)
+    # the compute dtype
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)
+    named += [
+        (model_name(path), RewardModel(path, args.device, args.trust_remote_code, dtype=dtype))
+        for path in args.reward_model
+    ]
+    if args.overlong_buffer > 0:
+        named.append(
+            ("overlong", rewards.overlong_reward(args.max_new_tokens, args.overlong_buffer))
+        )
+    return rewards.weighted(named, weights, args.reward_timeout)
+
+
+def load_reward_fn(spec, flag="--reward-fn", builtins=None):
+    """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format) or
+    MODULE:FUNCTION, imported with the working directory first on the import path (so my_rewards.py
+    beside you works as my_rewards:brevity). The function is logged under its own name.
+    --extract-answer loads its function the same way (flag and builtins: its own)."""
+    builtins = rewards.REWARD_FUNCS if builtins is None else builtins
+    if spec in builtins:
+        return spec, builtins[spec]
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise UserError(
+            f"{flag} {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
+            f"brevity in ./my_rewards.py) or a built-in: {', '.join(builtins)}."
+        )
+    if os.getcwd() not in sys.path[:1]:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise UserError(f"{flag} {spec!r}: importing {module_name} failed: {e}.") from None
+        raise UserError(
+            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+            f".py in the working directory ({os.getcwd()}) or on the import path."
+        ) from None
+    except Exception as e:  # a syntax error in the user's file, or an error it raises when imported
+        raise UserError(
+            f"{flag} {spec!r}: importing {module_name} raised {type(e).__name__}: {e}{raised_at(e)}."
+        ) from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+        )
+        raise UserError(
+            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
+        )
+    return fn_name, fn
+
+
+def check_signature(name, fn, fields):
+    """UserError unless fn takes (completions, answers) and every other parameter it requires is
+    `prompts`, `completion_lengths` or a field of the data (`fields`)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise UserError(
+            f"reward function {name!r} must take two arguments, (completions, answers), and return one "
+            f"float per completion; its signature is {name}{inspect.signature(fn)}."
+        )
+    for p in positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]:
+        if p.default is p.empty and p.name not in ("prompts", "completion_lengths", *fields):
+            raise UserError(
+                f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts`, "
+                f"`completion_lengths` nor a field of the data rows (fields: "
+                f"{', '.join(fields) or 'none'})."
+            )
+
+
+def model_name(path_or_id):
+    """The name a reward model is logged under: its directory's name, or a hub id's name part."""
+    return os.path.basename(os.path.normpath(path_or_id))

@@ -1,0 +1,250 @@
+"""Calling one reward function in isolation from the run and from the other functions.
+
+call_reward is how rewards.score calls each function: with its own copy of every argument
+(own_copy), anything it raises turned into a UserError naming it and the completion it fails on
+(only KeyboardInterrupt passes, Ctrl-C and signals.Stopped), within its time limit (time_limit),
+and its return value checked: one finite float32 number per completion (as_rewards).
+
+The time limit is kept in this process, by a SIGALRM timer in the main thread (see time_limit for
+what it cannot interrupt).
+"""
+
+import contextlib
+import copy
+import inspect
+import os
+import signal
+import threading
+import time
+import traceback
+
+import torch
+
+from support.errors import UserError
+
+
+def declared_columns(fn, columns):
+    """The columns {name: [value per completion]} that fn declares as parameters (all of them for
+    **kwargs), except any named like its first two parameters (the completions and the answers,
+    passed by position)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    first_two = [
+        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][:2]
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
+
+
+def call_reward(r, completions, answers, kwargs):
+    """One rewards.Reward's values [N] on the batch, each argument its own copy, within r.timeout
+    seconds (the search for the failing completion included)."""
+    try:
+        with time_limit(r.timeout):
+            try:
+                values = r.fn(
+                    own_copy(completions),
+                    own_copy(answers),
+                    **{k: own_copy(v) for k, v in kwargs.items()},
+                )
+            except NOT_REWARD_ERRORS:
+                raise
+            except BaseException as e:  # SystemExit too: a reward function does not end the run
+                raise UserError(
+                    exception_message(r.name, e, r.fn, completions, answers, kwargs)
+                ) from None
+            return as_rewards(r.name, values, completions)
+    except RewardTimeout:
+        raise UserError(
+            f"reward function {r.name!r} did not return within {r.timeout:g} s (--reward-timeout) on a batch "
+            f"of {len(completions)} completions; the batch's first completion began: "
+            f"{(completions[0] if completions else '')[:200]!r}. Make it faster, or raise the limit with "
+            "--reward-timeout SECONDS (0: no limit)."
+        ) from None
+
+
+def own_copy(values):
+    """A reward function's own copy of one argument: a new list of deep copies, so what the function
+    does to it (sorting the list, appending to a list-valued answer) reaches neither the next
+    function nor the rows kept for later steps. deepcopy returns strings and numbers as they are."""
+    return [copy.deepcopy(v) for v in values]
+
+
+class RewardTimeout(BaseException):
+    """A reward function ran past its time limit. A BaseException, as KeyboardInterrupt is, so that
+    a function catching Exception around each completion does not swallow it and go on."""
+
+
+# What a reward function may raise that is not its own error: Ctrl-C and signals.Stopped (its
+# subclass), and the time limit, which call_reward reports as such.
+NOT_REWARD_ERRORS = (KeyboardInterrupt, RewardTimeout)
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """RewardTimeout when the block runs longer than `seconds` (0: no limit).
+
+    In the main thread an alarm (SIGALRM, see alarm()) interrupts the block at the limit: a Python
+    loop at its next bytecode, a sleep or a blocking read at once, C code that does not return to
+    Python (one long regex, one torch op) when it returns. The block runs in the calling thread, so
+    thread-local state (torch's grad mode) is kept; a worker thread would lose it, and would break
+    reward libraries that set alarms themselves (signal.signal works only in the main thread).
+
+    Limits: a library that sets its own alarm inside the block (math_verify does, with signal.alarm)
+    replaces ours and cancels it when done; off the main thread no signal can interrupt the block.
+    There the block runs to its end and is then refused if it took longer than the limit: a slow
+    function still stops the run, one that never returns hangs it."""
+    start = time.monotonic()
+    if (
+        seconds > 0
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    ):
+        with alarm(seconds):
+            yield
+    else:
+        yield
+    if seconds > 0 and time.monotonic() - start > seconds:
+        raise RewardTimeout  # the function caught the alarm, a library cancelled it, or no alarm could be set
+
+
+@contextlib.contextmanager
+def alarm(seconds):
+    """RewardTimeout raised in the main thread `seconds` after the block starts, by a SIGALRM timer
+    (setitimer). The previous SIGALRM handler is put back afterwards, and a timer of your own
+    pending before the block is re-armed with the time it had left (if that ran out meanwhile, it
+    goes off at once). SIGINT, SIGTERM and SIGHUP (the run's own handlers, signals.StopRequests)
+    are untouched."""
+    armed = True  # set to False the moment the block ends: an alarm after that, during the clean-up, does nothing
+
+    def expire(signum, frame):
+        if armed:
+            raise RewardTimeout
+
+    start = time.monotonic()
+    previous_delay, previous_interval = signal.getitimer(signal.ITIMER_REAL)
+    previous_handler = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            armed = False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay > 0:
+            left = max(previous_delay - (time.monotonic() - start), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
+
+
+def exception_message(name, e, fn, completions, answers, kwargs):
+    """The message for a reward function that raised on a batch. It is called again one completion
+    at a time to find the one it fails on; if none fails alone, the message shows the batch's first
+    completion. The search runs within what is left of the batch's time limit (call_reward): a
+    function that hangs alone is not waited for."""
+    first = f"the batch's first completion began: {(completions[0] if completions else '')[:200]!r}"
+    try:
+        i = first_failing_completion(fn, completions, answers, kwargs)
+        which = (
+            f"called on completion {i} alone it raises too; that completion began: {completions[i][:200]!r}"
+            if i is not None
+            else f"called on each completion alone it does not raise; {first}"
+        )
+    except RewardTimeout:
+        which = f"calling it on each completion alone to find the one it fails on ran out of time; {first}"
+    return (
+        f"reward function {name!r} raised {type(e).__name__}: {e}{raised_at(e)} on a batch of {len(completions)} "
+        f"completions; {which}. A reward function must return one float for any text, even empty or garbage."
+    )
+
+
+def first_failing_completion(fn, completions, answers, kwargs):
+    """The index of the first completion on which fn, called on it alone (with its own copies),
+    raises; None if none does."""
+    for i in range(len(completions)):
+        try:
+            fn(
+                own_copy(completions[i : i + 1]),
+                own_copy(answers[i : i + 1]),
+                **{k: own_copy(v[i : i + 1]) for k, v in kwargs.items()},
+            )
+        except NOT_REWARD_ERRORS:
+            raise
+        except BaseException:
+            return i
+    return None
+
+
+def raised_at(e):
+    """ " (file.py:12)": where an exception was raised, for a message; "" for a SyntaxError (it
+    names its place itself) and for one raised in this file (about the value, not user code)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if (
+        isinstance(e, SyntaxError)
+        or not frames
+        or os.path.abspath(frames[-1].filename) == os.path.abspath(__file__)
+    ):
+        return ""
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+
+
+def as_rewards(name, values, completions):
+    """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong
+    with it: not one number per completion, NaN or inf, or a number beyond float32's range (1e39 is
+    a finite float but inf in float32)."""
+    n = len(completions)
+    returned = values
+    if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
+        values = values.reshape(-1)  # an array or tensor [N, 1]
+    # keys, or no order: not one value per completion
+    if isinstance(values, (dict, set, frozenset, str, bytes)):
+        raise UserError(
+            f"reward function {name!r} returned a {type(values).__name__}; it must return a list with one "
+            f"number per completion ({n}), in the completions' order."
+        )
+    try:
+        values = list(values)  # a list, a tuple, a tensor, an array, a generator
+    except NOT_REWARD_ERRORS:
+        raise
+    except BaseException as e:  # not iterable, or a generator that raised (or called sys.exit)
+        raise UserError(
+            f"reward function {name!r} must return one number per completion ({n}); it returned a "
+            f"{type(returned).__name__} ({type(e).__name__}: {e}{raised_at(e)}). The batch's first completion "
+            f"began: {(completions[0] if completions else '')[:200]!r}"
+        ) from None
+    if len(values) != n:
+        raise UserError(
+            f"reward function {name!r} must return one number per completion ({n}); it returned "
+            f"{len(values)} values: {str(values)[:200]}. The batch's first completion began: "
+            f"{(completions[0] if completions else '')[:200]!r}"
+        )
+    out = []
+    for i, v in enumerate(values):
+        try:
+            # numbers, bools, 0-d tensors
+            out.append(float(v) if not isinstance(v, (str, bytes)) else float("x"))
+        except (TypeError, ValueError):
+            raise UserError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}, which "
+                f"is not a number. The completion began: {completions[i][:200]!r}"
+            ) from None
+        if out[-1] != out[-1] or out[-1] in (float("inf"), float("-inf")):
+            raise UserError(
+                f"reward function {name!r} returned {v} for completion {i}: rewards must be finite "
+                f"numbers (NaN or inf would reach the weights). The completion began: "
+                f"{completions[i][:200]!r}"
+            )
+    rewards = torch.tensor(out, dtype=torch.float32)
+    # finite as Python floats, but beyond float32's range: inf here
+    overflowed = (~rewards.isfinite()).nonzero().flatten().tolist()
+    if overflowed:
+        i = overflowed[0]
+        raise UserError(
+            f"reward function {name!r} returned {out[i]} for completion {i}, beyond the range of float32 "
+            f"(±{torch.finfo(torch.float32).max:.4g}), in which rewards are computed: it would be inf and reach the "
+            f"weights. Scale the rewards down. The completion began: {completions[i][:200]!r}"
+        )
+    return rewards

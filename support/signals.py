@@ -1,0 +1,156 @@
+"""Signals and the terminal: what a run does when it is asked to stop, or loses its reader.
+
+StopRequests   SIGINT (Ctrl-C), SIGTERM and SIGHUP during train(): the step finishes, is saved, and
+               the run exits with 128 + the signal's number (Stopped)
+DevNullWhenReaderGone  stdout and stderr that turn into /dev/null when whoever reads them is gone
+               (a dropped ssh session, `python train.py | head`), so training goes on
+"""
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from support import distributed
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped at a step boundary on a signal: exit code 128 + the signal's number (130
+    Ctrl-C, 143 SIGTERM, 129 SIGHUP). everywhere: every rank stops at this step (they save
+    together); saved: the step is saved already."""
+
+    def __init__(self, signum, everywhere=False, saved=False):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code, self.everywhere, self.saved = 128 + signum, everywhere, saved
+
+
+class StopRequests:
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP (what SLURM, Kubernetes and spot instances send before
+    they kill a job) during train(). Inside a step the first one is a request: the step finishes,
+    is saved as every step boundary can be (so --resume continues exactly), and the run exits
+    with 128 + the signal's number. A second one stops at once, as Ctrl-C always did (the step
+    counts as done after its first update, else is redone), unless it comes within SAME_REQUEST_S
+    of the first: then it is the same request. During an evaluation (training is saved before
+    every one) and the closing table, a signal stops at once. main() installs the handlers
+    (`with STOPS:`, main thread only, where Python runs them) and restores them after; train()
+    called from your own code keeps your handlers, and a signal does what they do."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # A second signal within this many seconds of the first is the same request delivered twice:
+    # Ctrl-C under torchrun reaches each worker from the terminal and again from torchrun, which
+    # forwards the signal it gets.
+    SAME_REQUEST_S = 1.0
+
+    def __init__(self):
+        self.signum, self.immediate, self.previous, self.first_at = None, False, {}, 0.0
+        self.deferring, self.stop_deferred = False, None
+
+    def __enter__(self):
+        self.signum = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        # a request belongs to this run: train() called later, without handlers, starts clean
+        self.signum, self.previous = None, {}
+
+    def handle(self, signum, frame):
+        again = self.signum is not None
+        if self.immediate or (again and time.monotonic() - self.first_at > self.SAME_REQUEST_S):
+            return self.stop(signum)
+        if again:  # the same request delivered twice (SAME_REQUEST_S)
+            return
+        self.signum, self.first_at = signum, time.monotonic()
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this step, then saving and exiting "
+            "(again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def stop(self, signum):
+        """Stop at once: now, or at the end of a deferred() block."""
+        if self.deferring:
+            self.stop_deferred = signum
+        else:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A stop at once waits for the end of this block (an optimizer update: weights, AdamW
+        and schedule)."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring, signum, self.stop_deferred = False, self.stop_deferred, None
+        if signum is not None:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """A signal inside this block stops at once (nothing unsaved to lose), a pending request
+        too."""
+        self.immediate = True
+        try:
+            if self.signum is not None:
+                raise Stopped(self.signum)
+            yield
+        finally:
+            self.immediate = False
+
+    def raise_if_requested(self, saved):
+        """At a step's end: Stopped if a signal came on any rank (one all-reduce under torchrun)."""
+        if distributed.all_sum([self.signum is not None])[0] > 0:
+            raise Stopped(self.signum or signal.SIGTERM, everywhere=True, saved=saved)
+
+
+# The one StopRequests of the process. Global because a signal handler is: Python runs it in the
+# main thread between any two bytecodes, with no way to hand it an object the run owns.
+STOPS = StopRequests()
+
+
+class DevNullWhenReaderGone:
+    """stdout or stderr that outlives whoever reads it. When an ssh session drops, the terminal
+    hangs up: SIGHUP, then every write fails with EIO. When `python train.py | head` has its
+    lines, every write fails with EPIPE. A failing print would end the run with a traceback and
+    no save. Instead, from the first failed write on, the output goes to /dev/null and training
+    goes on: metrics.jsonl, the checkpoints and the exit code record it all. Installed by
+    `python train.py` only, never by main() called from your code."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text):
+        try:
+            return len(text) if self.gone else self.stream.write(text)
+        except OSError:
+            self.lost()
+            return len(text)
+
+    def flush(self):
+        try:
+            if not self.gone:
+                self.stream.flush()
+        except OSError:
+            self.lost()
+
+    def lost(self):
+        """Point the stream's file descriptor at /dev/null: its buffered text, and everything
+        after it, goes there (interpreter exit flushes it too, and would otherwise fail with exit
+        code 120)."""
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+            self.stream.flush()
+        except OSError:  # no file descriptor to point elsewhere: drop what comes
+            self.gone = True
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
