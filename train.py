@@ -788,7 +788,11 @@ def main(argv=None):
                 "with training_state.pt). Pass the --output-dir of the run to continue, or drop "
                 "--resume."
             )
-        if args.eval_only and resume_dir is not None and not args.lora_rank:
+        start = checkpoint.starting_weights(args, resume_dir)
+        if args.eval_only and start in (
+            checkpoint.FROM_CHECKPOINT,
+            checkpoint.MODEL_THEN_CHECKPOINT,
+        ):
             check_whole_model(resume_dir)
         # Before the model loads: one run per output directory, locked while it is live
         # (--eval-only: no claim).

@@ -1,1 +1,2 @@
-"""Tools run from the repository root as modules: python -m scripts.bench, python -m scripts.gpu_check."""
+"""Tools run from the repository root as modules: python -m scripts.bench, python -m
+scripts.gpu_check."""

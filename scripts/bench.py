@@ -1,25 +1,28 @@
-"""Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table last.
-Run from the repository root:
+"""Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table
+last. Run from the repository root:
 
-    python -m scripts.bench                     # --logprobs, then --step --config tiny: minutes on 2 cores
-    python -m scripts.bench --logprobs          # a. sampling.token_logprobs vs log_softmax(logits / T).gather
-    python -m scripts.bench --step --config 100m   # b. one GRPO step by phase: tiny | 100m | smollm2-1.7b
-    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --vs-trl --config tiny   # c. the step in TRL
-    ... --vs-trl --config 100m --rounds 5 --real-length   # completions end at lengths uniform in [max/8, max]
-    python -m scripts.bench --rollout DIR --batch-size 2 --max-new-tokens 200   # d. a real rollout's tokens/s
-    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --parity   # e. our loss and gradients = TRL's
+    python -m scripts.bench                    # --logprobs, then --step --config tiny: minutes
+    python -m scripts.bench --logprobs         # a. token_logprobs vs log_softmax(logits / T).gather
+    python -m scripts.bench --step --config 100m   # b. one GRPO step by phase: tiny | 100m | ...
+    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --vs-trl --config tiny   # c. vs TRL
+    ... --vs-trl --config 100m --rounds 5 --real-length   # lengths uniform in [max/8, max]
+    python -m scripts.bench --rollout DIR --batch-size 2 --max-new-tokens 200   # d. a real rollout
+    BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench --parity   # e. loss, grads = TRL's
 
---vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned versions, in a venv:
-    python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
-Every measurement runs in a fresh subprocess (`python -m scripts.bench --worker ...`), so one variant's memory
-never counts against another's. Models are random-weight Llamas and a word-level tokenizer built in code: nothing
-is downloaded (but --rollout's GSM8K questions: $GRPO_GSM8K_DIR/test.jsonl, else data.load_gsm8k's download).
+--vs-trl and --parity need TRL, which is not in requirements.txt: install it beside the pinned
+versions, in a venv:
+    python -m venv benchvenv
+    benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0
+Every measurement runs in a fresh subprocess (`python -m scripts.bench --worker ...`), so one
+variant's memory never counts against another's. Models are random-weight Llamas and a word-level
+tokenizer built in code: nothing is downloaded (but --rollout's GSM8K questions:
+$GRPO_GSM8K_DIR/test.jsonl, else data.load_gsm8k's download).
 """
 
 import argparse
 import contextlib
 import copy
-import functools
+import dataclasses
 import itertools
 import json
 import os
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
+import weakref
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, get_scheduler
@@ -41,20 +44,24 @@ import grpo
 import rewards
 import sampling
 import train
-from support import decode, demo, report
+from support import decode, demo
+from support.phases import Phases
 
-# Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied embedding).
-# smollm2-135m and smollm2-1.7b: HuggingFaceTB/SmolLM2-135M- and 1.7B-Instruct's config.json, with random weights.
+# Llama shapes. 100m: GPT-2-small-like width and depth, 108.5M parameters (37.7M of them the tied
+# embedding). smollm2-135m and smollm2-1.7b: HuggingFaceTB/SmolLM2-135M- and 1.7B-Instruct's
+# config.json, with random weights.
 ROOT = os.path.dirname(
     os.path.dirname(os.path.abspath(__file__))
 )  # the repository root: workers run from it
-# A local copy of the real GSM8K, for the tools and tests that read it: a directory holding train.jsonl and test.jsonl,
-# named by this environment variable. Unset, the tools download it (data.load_gsm8k) and the tests that need it skip.
+# A local copy of the real GSM8K, for the tools and tests that read it: a directory holding
+# train.jsonl and test.jsonl, named by this environment variable. Unset, the tools download it
+# (data.load_gsm8k) and the tests that need it skip.
 GSM8K_ENV = "GRPO_GSM8K_DIR"
 
 
 def gsm8k_file(split):
-    """$GRPO_GSM8K_DIR/{split}.jsonl, or None where the variable is unset (data.load_gsm8k then downloads)."""
+    """$GRPO_GSM8K_DIR/{split}.jsonl, or None where the variable is unset (data.load_gsm8k then
+    downloads)."""
     directory = os.environ.get(GSM8K_ENV)
     return os.path.join(directory, f"{split}.jsonl") if directory else None
 
@@ -107,12 +114,13 @@ SHAPES = {
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Memory. On GPU: torch.cuda.max_memory_allocated. On CPU, torch allocates with malloc/mmap, which tracemalloc does not
-# see, so we read the kernel's high-water mark of this process's resident memory (VmHWM in /proc/self/status) and reset
-# it before each measured region by writing "5" to /proc/self/clear_refs (Linux >= 4.0). "Extra" = peak - resident
-# memory at the start of the region. It counts every page the process touched (allocator slack too): an upper bound on
-# what the region needed, never an underestimate.
+# --------------------------------------------------------------------------------------------------
+# Memory. On GPU: torch.cuda.max_memory_allocated. On CPU, torch allocates with malloc/mmap, which
+# tracemalloc does not see, so we read the kernel's high-water mark of this process's resident
+# memory (VmHWM in /proc/self/status) and reset it before each measured region by writing "5" to
+# /proc/self/clear_refs (Linux >= 4.0). "Extra" = peak - resident memory at the start of the region.
+# It counts every page the process touched (allocator slack too): an upper bound on what the region
+# needed, never an underestimate.
 
 
 def _status_kib(field):
@@ -140,12 +148,13 @@ def mem_peak():
 
 @contextlib.contextmanager
 def phase(record, name, accumulate=False):
-    """record[name] = (wall seconds, extra peak memory in bytes, CPU seconds of this process) of the block; with
-    accumulate, the seconds add to those already there (the μ calls of policy_update in a step) and the peak is the
-    larger.
+    """record[name] = (wall seconds, extra peak memory in bytes, CPU seconds of this process) of the
+    block; with accumulate, the seconds add to those already there (the μ calls of policy_update in
+    a step) and the peak is the larger.
 
-    The CPU seconds are the second opinion on a shared machine: other people's jobs stretch the wall time of a
-    phase but barely its CPU time (except for OpenMP threads spinning while they wait for a descheduled sibling)."""
+    The CPU seconds are the second opinion on a shared machine: other people's jobs stretch the wall
+    time of a phase but barely its CPU time (except for OpenMP threads spinning while they wait for
+    a descheduled sibling)."""
     base = mem_start()
     t0, c0 = time.perf_counter(), time.process_time()
     yield
@@ -163,8 +172,9 @@ def phase(record, name, accumulate=False):
 PEAK = [0]  # the highest peak any phase() saw: the process's peak memory during the timed steps
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Model, tokenizer, prompts: built in code from a seed, so every subprocess (ours or TRL's) has the same weights.
+# --------------------------------------------------------------------------------------------------
+# Model, tokenizer, prompts: built in code from a seed, so every subprocess (ours or TRL's) has the
+# same weights.
 
 
 def build_model(name, seed=0):
@@ -173,7 +183,8 @@ def build_model(name, seed=0):
 
 
 def build_tokenizer(vocab_size):
-    """Word level: "<pad>", "<eos>", then "w0", "w1", ... so a prompt of P words is exactly P tokens."""
+    """Word level: "<pad>", "<eos>", then "w0", "w1", ... so a prompt of P words is exactly P
+    tokens."""
     return demo.word_tokenizer(
         ["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab_size - 2)], unk_token="<pad>"
     )
@@ -188,29 +199,35 @@ def build_prompts(n, length, vocab_size, seed=1):
 
 
 def checksum(model):
-    """One number that differs if any weight differs: identical initial weights in every subprocess."""
+    """One number that differs if any weight differs: identical initial weights in every
+    subprocess."""
     with torch.no_grad():
         return sum(float((p.double() * (i + 1)).sum()) for i, p in enumerate(model.parameters()))
 
 
 def forced_lengths(a):
-    """[steps, B*G] completion lengths, EOS included, the same for both trainers: with --real-length, drawn uniformly
-    from [max_new/8, max_new] (seed 0), as real completions vary; else max_new + 1 (EOS never comes: every completion
-    is exactly max_new tokens, cut off by the budget). Row i of step s ends with EOS as its lengths[s, i]-th token."""
+    """[steps, B*G] completion lengths, EOS included, the same for both trainers: with
+    --real-length, drawn uniformly from [max_new/8, max_new] (seed 0), as real completions vary;
+    else max_new + 1 (EOS never comes: every completion is exactly max_new tokens, cut off by the
+    budget). Row i of step s ends with EOS as its lengths[s, i]-th token. At least 2: a row's first
+    token comes from its prompt's one prefill, shared by the group (DecodeLengths)."""
     n, rows, C = a.warmup + a.steps, a.batch_size * a.num_generations, a.max_new_tokens
-    if not a.real_length:
+    low = max(2, C // 8)
+    if not a.real_length or low > C:
         return torch.full((n, rows), C + 1)
-    return torch.randint(C // 8, C + 1, (n, rows), generator=torch.Generator().manual_seed(0))
+    return torch.randint(low, C + 1, (n, rows), generator=torch.Generator().manual_seed(0))
 
 
 def expected_lengths(lengths, max_new):
-    """The completion lengths forced lengths make: one over max_new is cut off at max_new, without EOS."""
+    """The completion lengths forced lengths make: one over max_new is cut off at max_new, without
+    EOS."""
     return lengths.clamp(max=max_new).tolist()
 
 
 class ForcedLengths(LogitsProcessor):
-    """The forced lengths in transformers' generate() (TRL's side; forced_lengths_in_decode is ours): EOS gets probability
-    0 before a row's length and 1 at it. generate() keeps rows in place, so row i is always row i."""
+    """The forced lengths in transformers' generate() (TRL's side; forced_lengths_in_decode is
+    ours): EOS gets probability 0 before a row's length and 1 at it. generate() keeps rows in place,
+    so row i is always row i."""
 
     def __init__(self, lengths, prompt_length, eos):
         self.lengths, self.prompt_length, self.eos = lengths, prompt_length, eos
@@ -235,14 +252,15 @@ def force_lengths(model, lengths):
     model.generate = generate
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Workers: each runs in its own process and prints one line "RESULT {json}".
 
 
 def worker_logprobs(a):
-    """a. Log-probs of N=16 x C=512 completion tokens at V=49,152 through a one-layer Llama (SmolLM2-135M's width),
-    so the lm-head and log-softmax dominate. --variant ours: sampling.token_logprobs (chunked lm-head: no [N, C, V]);
-    naive: the logits (only the C positions needed), then log_softmax(logits / T).gather. --backward adds a backward."""
+    """a. Log-probs of N=16 x C=512 completion tokens at V=49,152 through a one-layer Llama
+    (SmolLM2-135M's width), so the lm-head and log-softmax dominate. --variant ours:
+    sampling.token_logprobs (chunked lm-head: no [N, C, V]); naive: the logits (only the C positions
+    needed), then log_softmax(logits / T).gather. --backward adds a backward."""
     model = (
         demo.tiny_llama(
             49152,
@@ -296,83 +314,185 @@ def worker_logprobs(a):
     return dict(seconds=statistics.median(times[1:] or times), extra_bytes=max(extras))
 
 
+class DecodeLengths:
+    """Our side of forced lengths (ForcedLengths is TRL's), as a forward hook on the model: while on
+    (forced_lengths_in_decode), it edits the next-token logits each forward of the decode returns,
+    so that row i draws no EOS before its lengths[i]-th token and EOS as that token (a length over
+    max_new_tokens: never). Measurement only, from outside: the decode (support/decode.py) carries
+    no bench mechanism. One per model (`of`), its hook registered once and kept, so that the decode
+    twin of a compiled model (a deep copy, made at its first compiled call) carries the same hook,
+    a plain function over this one state.
+
+    The rows of each forward, as the decode lays them out: the prefill's logits are per prompt,
+    before the copy to its G rows (so a row can end at its first token only with its whole group:
+    else ValueError); then, eager, the rows still without EOS, in order (the others left the batch);
+    compiled, every planned row, padding rows after the real ones, its token counted from the KV
+    cache's length (tensors only: the captured step reads no Python counter)."""
+
+    def __init__(self):
+        self.lengths = None  # [B*G] the current decode call's, on the CPU; None: off
+        self.prefilled = False
+
+    @classmethod
+    def of(cls, model):
+        """The model's DecodeLengths: made, and its hook registered, at the first call."""
+        if model not in _DECODE_LENGTHS:
+            state = _DECODE_LENGTHS[model] = cls()
+
+            def hook(module, args, kwargs, output):  # a function: copy.deepcopy keeps it as it is
+                return state.edit(kwargs, output)
+
+            model.register_forward_hook(hook, with_kwargs=True)
+        return _DECODE_LENGTHS[model]
+
+    def start(self, model, lengths, eos):
+        """On for one decode call of `model` whose rows end at `lengths` [B*G]."""
+        self.lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
+        if int(self.lengths.min()) < 1:
+            raise ValueError(f"forced lengths must be at least 1: {self.lengths.tolist()}")
+        self.eos = [eos] if isinstance(eos, int) else list(eos)
+        self.padded = id(model) in decode.COMPILED  # compiled: all planned rows stay in the batch
+        self.prefilled, self.t = False, 1
+
+    def stop(self):
+        self.lengths = None
+
+    def edit(self, kwargs, output):
+        """The forward's output, its last position's logits edited in place; None when off."""
+        if self.lengths is None:
+            return None
+        logits = output.logits[:, -1]  # [rows, V]
+        if not self.prefilled:
+            end = self.prefill(logits, kwargs)
+        elif self.padded:
+            # compiled: the token these logits draw, from the cache's length (prompt + tokens fed)
+            k = kwargs["past_key_values"].get_seq_length() - self.prompt_width
+            lengths = torch.cat([self.on_device, self.on_device.new_zeros(len(logits) - self.n)])
+            end = lengths == k + 1
+        else:
+            end = self.eager_end(len(logits))
+        logits[:, self.eos] = float("-inf")
+        if end is not None:  # EOS far above the row's largest logit: drawn whatever the sampling
+            boost = torch.where(end, logits.amax(-1) + 1e4, float("-inf"))
+            logits[:, self.eos[0]] = boost
+        return output
+
+    def prefill(self, logits, kwargs):
+        """The prefill's rows (one per prompt) that end at their first token: those whose G rows all
+        do. Sets up what the later forwards of the call read."""
+        B, L = len(logits), self.lengths
+        if len(L) % B:
+            raise ValueError(f"{len(L)} forced lengths for {B} prompts: not G per prompt")
+        first = (L == 1).view(B, -1)  # [B, G]
+        if (first.any(1) != first.all(1)).any():
+            raise ValueError(
+                "a forced length of 1 must hold for the whole group: the first token of each of a "
+                f"prompt's G rows is drawn from the prompt's one prefill ({L.tolist()})"
+            )
+        self.n, self.prefilled = len(L), True
+        device = logits.device
+        if self.padded:
+            self.on_device = L.to(device)
+            self.prompt_width = torch.full((), kwargs["input_ids"].shape[1], device=device)
+        else:  # eager: forward t holds the rows with lengths > t; those at t + 1 end here
+            width = int(L.max())
+            ends = torch.zeros(width, len(L), dtype=torch.bool)
+            self.rows = []
+            for t in range(1, width):
+                alive = L[L > t]
+                ends[t, : len(alive)] = alive == t + 1
+                self.rows.append(len(alive))
+            self.ends = ends.to(device)
+        return first[:, 0].to(device) if first.any() else None
+
+    def eager_end(self, rows):
+        """Eager forward t's rows that end at it (None: no row ends)."""
+        t, self.t = self.t, self.t + 1
+        if t > len(self.rows):
+            return None
+        if rows != self.rows[t - 1]:
+            raise RuntimeError(f"decode forward {t} has {rows} rows, not {self.rows[t - 1]}")
+        return self.ends[t, :rows]
+
+
+_DECODE_LENGTHS = weakref.WeakKeyDictionary()  # model -> its DecodeLengths
+
+
 @contextlib.contextmanager
-def forced_lengths_in_decode(steps, eos):
-    """Our side of --real-length (ForcedLengths is TRL's): each decode.decode call, one per training step, takes the
-    next [B*G] row of `steps`; row i draws no EOS before its lengths[i]-th token and EOS as that token (over
-    max_new_tokens: never). Measurement only: it wraps decode.decode and decode.sample_tokens from outside, so the
-    functions the loop calls carry no bench mechanism. Eager decode drops rows from the batch as they end, so at token
-    t the rows sampled are those with lengths > t, in order; compiled, every planned row is sampled."""
-    real_decode, real_sample, calls, now = decode.decode, decode.sample_tokens, iter(steps), {}
-    eos = [eos] if isinstance(eos, int) else list(eos)
-
-    def decode_with_lengths(model, prompt_ids, *args, **kwargs):
-        now.update(lengths=next(calls).to(prompt_ids.device), t=0)
-        return real_decode(model, prompt_ids, *args, **kwargs)
-
-    def sample_with_lengths(logits, settings, uniforms=None):
-        lengths, t = now["lengths"], now["t"]
-        now["t"] += 1
-        alive = lengths > t
-        if logits.shape[0] == int(alive.sum()):  # eager: the rows still without EOS
-            forced = lengths[alive]
-        else:  # compiled: all rows, padding rows after the real ones
-            forced = torch.cat([lengths, lengths.new_zeros(logits.shape[0] - len(lengths))])
-        logits[:, eos] = float("-inf")
-        token, logp = real_sample(logits, settings, uniforms)
-        return torch.where(forced == t + 1, eos[0], token), logp
-
-    with (
-        mock.patch.object(decode, "decode", decode_with_lengths),
-        mock.patch.object(decode, "sample_tokens", sample_with_lengths),
-    ):
+def forced_lengths_in_decode(model, lengths, eos):
+    """The next decode call of `model` inside the block (support/decode.py's, eager or compiled)
+    ends row i with EOS as its lengths[i]-th token, and draws no EOS before it (DecodeLengths)."""
+    forcing = DecodeLengths.of(model)
+    forcing.start(model, lengths, eos)
+    try:
         yield
+    finally:
+        forcing.stop()
 
 
-def timed_phases(task, record, checks):
-    """Patches that time train.py's loop from outside, the way gpu_check.PhaseTimer does: each wrapped function adds
-    (wall s, extra peak bytes, CPU s) to record[-1][its phase]; a step runs from data.batch_at (line 5) to
-    train.save_if_due (after the log line), whose checkpoint is skipped (TRL's side saves nothing either). `checks`
-    gets every step's Rollouts, to check and count its completion tokens."""
-    clock = {}
+class RunEnds(Exception):
+    """Raised at the run's closing checkpoint: worker_ours times the steps alone."""
 
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with phase(record[-1], name, accumulate=True):
-                out = fn(*args, **kwargs)
-            if name == "generate":
-                checks.append(out)
-            return out
 
-        return wrapper
+class TimedSteps(Phases):
+    """worker_ours' timing of train.train's loop, through its phase hook (support/phases.py), the
+    way gpu_check.PhaseTimer does: record gets one {phase: (wall s, extra peak bytes, CPU s)} per
+    step, a phase's calls within it added up (phase(accumulate=True)). A step is train's "step"
+    phase: data.batch_at (line 5) to its log line; its extra memory is its phases' largest. Each
+    "generate" forces the next row of `lengths` (forced_lengths_in_decode). The run stops at its
+    closing checkpoint (RunEnds), which it neither times nor writes: TRL's side saves nothing."""
 
-    def step_begins(*args, **kwargs):
-        record.append({})
-        clock["t0"], clock["c0"] = time.perf_counter(), time.process_time()
-        return real_batch_at(*args, **kwargs)
+    NAMES = {  # train's phases -> bench's names for them; the others are not timed
+        "generate": "generate",
+        "rewards": "rewards",
+        "reference": "ref+old logps",
+        "update": "policy fwd+bwd+opt",
+    }
 
-    def step_ends(*args, **kwargs):
-        record[-1]["step"] = (
-            time.perf_counter() - clock["t0"],
-            max(v[1] for v in record[-1].values()),
-            time.process_time() - clock["c0"],
-        )
+    def __init__(self, model, lengths, steps):
+        self.model, self.lengths, self.steps, self.record = model, iter(lengths), steps, []
 
-    real_batch_at = data.batch_at
-    return [
-        mock.patch.object(data, "batch_at", step_begins),
-        mock.patch.object(sampling, "sample_rollouts", timed("generate", sampling.sample_rollouts)),
-        mock.patch.object(task, "score", timed("rewards", task.score)),
-        mock.patch.object(train, "frozen_logps", timed("ref+old logps", train.frozen_logps)),
-        mock.patch.object(train, "policy_update", timed("policy fwd+bwd+opt", train.policy_update)),
-        mock.patch.object(train, "save_if_due", step_ends),
-        mock.patch.object(report, "curves", lambda *a, **k: None),
-    ]
+    def phase(self, name, step=None):
+        if name == "step":
+            return self.step()
+        if name == "checkpoint" and step == self.steps:
+            raise RunEnds(step)
+        if name == "generate":
+            return self.generate()
+        if name in self.NAMES:
+            return phase(self.record[-1], self.NAMES[name], accumulate=True)
+        return super().phase(name, step)
+
+    @contextlib.contextmanager
+    def step(self):
+        self.record.append({})
+        t0, c0 = time.perf_counter(), time.process_time()
+        yield
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        self.record[-1]["step"] = (wall, max(v[1] for v in self.record[-1].values()), cpu)
+
+    @contextlib.contextmanager
+    def generate(self):
+        with forced_lengths_in_decode(self.model, next(self.lengths), demo.EOS):
+            with phase(self.record[-1], "generate", accumulate=True):
+                yield
+
+
+@dataclasses.dataclass
+class LengthsSeenTask(data.Task):
+    """A data.Task that keeps the completion lengths of each batch it scores (its Rollouts'), for
+    worker_ours to check against the forced ones."""
+
+    scored_lengths: list = dataclasses.field(default_factory=list)
+
+    def score(self, rows, completions, G=1, lengths=None):
+        self.scored_lengths.append(lengths.tolist())
+        return super().score(rows, completions, G, lengths)
 
 
 def loop_flags(a, output_dir):
-    """train.py's flags for the step bench.py and TRL's side both run (trl_config: the same settings)."""
+    """train.py's flags for the step bench.py and TRL's side both run (trl_config: the same
+    settings)."""
     return [
         *("--steps", a.warmup + a.steps, "--batch-size", a.batch_size),
         *(
@@ -393,29 +513,30 @@ def loop_flags(a, output_dir):
 
 
 def worker_ours(a):
-    """b. (and c.'s side A): train.train itself, a.warmup + a.steps steps on random prompts, every phase timed from
-    outside (timed_phases) and the completion lengths forced as TRL's side forces them."""
+    """b. (and c.'s side A): train.train itself, a.warmup + a.steps steps on random prompts, every
+    phase timed through its phase hook (TimedSteps) and the completion lengths forced as TRL's side
+    forces them."""
     model = build_model(a.config)
     tokenizer = build_tokenizer(model.config.vocab_size)
     start = checksum(model)
     n, B = a.warmup + a.steps, a.batch_size
     prompts = build_prompts(n * B, a.prompt_len, model.config.vocab_size)
-    task = data.Task(
+    task = LengthsSeenTask(
         train=[{"prompt": p, "answer": "42"} for p in prompts],
         eval=[],
         template=lambda tokenizer, question: question,  # the prompt as it is: a.prompt_len tokens
         rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0] * len(rewards.REWARD_FUNCS)),
     )
     lengths = forced_lengths(a)
-    record, rollouts = [], []
-    with tempfile.TemporaryDirectory(prefix="bench_ours_") as tmp, contextlib.ExitStack() as stack:
+    timer = TimedSteps(model, lengths, n)
+    with tempfile.TemporaryDirectory(prefix="bench_ours_") as tmp:
         args = config.parse_args([str(x) for x in loop_flags(a, tmp)])
-        for patch in timed_phases(task, record, rollouts):
-            stack.enter_context(patch)
-        stack.enter_context(forced_lengths_in_decode(lengths, demo.EOS))
         torch.manual_seed(0)
-        train.train(args, task, model, tokenizer)
-    made = [r.completion_mask.sum(1).tolist() for r in rollouts]
+        try:
+            train.train(args, task, model, tokenizer, phases=timer)
+        except RunEnds:  # after the last step's log line
+            pass
+    made, record = task.scored_lengths, timer.record
     if made != [expected_lengths(row, a.max_new_tokens) for row in lengths]:
         raise RuntimeError(f"completion lengths {made} are not the forced ones {lengths.tolist()}")
     tokens = [sum(row) for row in made]
@@ -429,8 +550,9 @@ def worker_ours(a):
 
 
 def worker_trl(a):
-    """c. side B: the same step through TRL's GRPOTrainer. Same model (same seed), tokenizer, prompts, G, new tokens,
-    sampling, beta, mu, batch, lr, optimizer, clipping and precision; its phases timed by wrapping its methods."""
+    """c. side B: the same step through TRL's GRPOTrainer. Same model (same seed), tokenizer,
+    prompts, G, new tokens, sampling, beta, mu, batch, lr, optimizer, clipping and precision; its
+    phases timed by wrapping its methods."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -496,7 +618,8 @@ def worker_trl(a):
 
 
 def trl_reward(fn):
-    """Our reward function as TRL calls it: fn(prompts=..., completions=..., <dataset columns>=...)."""
+    """Our reward function as TRL calls it: fn(prompts=..., completions=..., <dataset
+    columns>=...)."""
 
     def reward(completions, answer, **kwargs):
         return fn(completions, answer)
@@ -506,8 +629,9 @@ def trl_reward(fn):
 
 
 def time_phases(trainer, times, record):
-    """Wrap TRL's generate, rewards and no-grad log-prob methods to time them (measurement only): record[step][phase]
-    accumulates (wall s, CPU s). Returns the list that will hold each generated completion's length."""
+    """Wrap TRL's generate, rewards and no-grad log-prob methods to time them (measurement only):
+    record[step][phase] accumulates (wall s, CPU s). Returns the list that will hold each generated
+    completion's length."""
     lengths = []
 
     def timed(name, fn, when=lambda: True):
@@ -538,8 +662,8 @@ def time_phases(trainer, times, record):
 
 
 def trl_config(a, tmp, n):
-    """TRL's settings for the same step as ours: same G, new tokens, sampling, beta, mu, batch, lr, optimizer,
-    clipping and precision."""
+    """TRL's settings for the same step as ours: same G, new tokens, sampling, beta, mu, batch, lr,
+    optimizer, clipping and precision."""
     from trl import GRPOConfig
 
     cuda = DEVICE == "cuda"
@@ -579,7 +703,8 @@ def trl_config(a, tmp, n):
 
 
 def trl_steps(times, record, n, mu):
-    """TRL's phases per GRPO step (generate + mu updates = mu TRL optimizer steps): {phase: [wall s, 0, CPU s]}."""
+    """TRL's phases per GRPO step (generate + mu updates = mu TRL optimizer steps): {phase: [wall s,
+    0, CPU s]}."""
     steps = []
     for i in range(n):
         phases = {"step": [0.0, 0, 0.0]}
@@ -589,7 +714,8 @@ def trl_steps(times, record, n, mu):
             for name, (wall, cpu) in record.get(j, {}).items():
                 old = phases.get(name, [0.0, 0, 0.0])
                 phases[name] = [old[0] + wall, 0, old[2] + cpu]
-        # The rest of the step: policy forward (with entropies) + backward + clip + AdamW, and TRL's bookkeeping.
+        # The rest of the step: policy forward (with entropies) + backward + clip + AdamW, and TRL's
+        # bookkeeping.
         phases["policy fwd+bwd+opt"] = [
             phases["step"][k] - sum(v[k] for p, v in phases.items() if p != "step")
             for k in range(3)
@@ -598,7 +724,7 @@ def trl_steps(times, record, n, mu):
     return steps
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The driver: runs workers in fresh subprocesses and prints the table.
 
 
@@ -792,8 +918,8 @@ def bench_vs_trl(a, rows):
 
 
 def bench_rollout(a):
-    """d. sampling.sample_rollouts on a real model (fp32, CPU or GPU), every completion --max-new-tokens long: the
-    median of --steps timed rollouts after --warmup."""
+    """d. sampling.sample_rollouts on a real model (fp32, CPU or GPU), every completion
+    --max-new-tokens long: the median of --steps timed rollouts after --warmup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # --threads defaults to 1 for the trainer comparisons
@@ -810,8 +936,9 @@ def bench_rollout(a):
     lengths = torch.full((n, a.batch_size * a.num_generations), a.max_new_tokens + 1)
     torch.manual_seed(0)
     times = []
-    with forced_lengths_in_decode(lengths, sampling.eos_token_ids(model, tokenizer)):
-        for _ in range(n):
+    eos = sampling.eos_token_ids(model, tokenizer)
+    for step in lengths:
+        with forced_lengths_in_decode(model, step, eos):
             t0 = time.perf_counter()
             rollouts = sampling.sample_rollouts(
                 model, tokenizer, prompts, settings, a.num_generations
@@ -828,19 +955,22 @@ def bench_rollout(a):
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# e. Parity with TRL's loss: the same model, batch, advantages, π_old and π_ref log-probs and settings through
-# train.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through GRPOTrainer.compute_loss (trl 1.16.0);
-# the losses and the gradients of every parameter must agree. One tiny fp32 Llama, one batch, one process (the bench
-# env's python, where TRL is installed; our side runs there too, on the same torch and transformers).
+# --------------------------------------------------------------------------------------------------
+# e. Parity with TRL's loss: the same model, batch, advantages, π_old and π_ref log-probs and
+# settings through train.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through
+# GRPOTrainer.compute_loss (trl 1.16.0); the losses and the gradients of every parameter must agree.
+# One tiny fp32 Llama, one batch, one process (the bench env's python, where TRL is installed; our
+# side runs there too, on the same torch and transformers).
 #
-# Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL value|): absolute for the losses and gradients here, which are
-# of order 1 or less, relative beyond that. Both sides compute in fp32 (rounding 6e-8) but sum in different orders (our
-# chunked lm-head over a KV cache shared by each group vs TRL's tiled fused head over whole rows), so they agree to
-# some hundred ulps of the largest term: a fixed absolute bound would be meaningless for values much larger than 1.
+# Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL value|): absolute for the losses and
+# gradients here, which are of order 1 or less, relative beyond that. Both sides compute in fp32
+# (rounding 6e-8) but sum in different orders (our chunked lm-head over a KV cache shared by each
+# group vs TRL's tiled fused head over whole rows), so they agree to some hundred ulps of the
+# largest term: a fixed absolute bound would be meaningless for values much larger than 1.
 PARITY_TOL = 1e-5
-# B=2 prompts of 6 and 4 tokens (left-padded) x G=4 completions of nonuniform lengths (< 12: ends with EOS; 12:
-# truncated), 38 tokens in group 1 and 23 in group 2; sampled at T=0.7 (both sides divide the logits by it).
+# B=2 prompts of 6 and 4 tokens (left-padded) x G=4 completions of nonuniform lengths (< 12: ends
+# with EOS; 12: truncated), 38 tokens in group 1 and 23 in group 2; sampled at T=0.7 (both sides
+# divide the logits by it).
 PARITY_SHAPE = dict(
     vocab=256,
     group=4,
@@ -851,11 +981,11 @@ PARITY_SHAPE = dict(
 
 
 def parity_batch(model):
-    """The batch as both sides take it: ours a sampling.Rollouts, TRL the dict its _generate_and_score_completions
-    returns (prompt/completion ids and masks, advantages, π_old's and π_ref's log-probs; parity_trl adds the token
-    count).
-    π_old = π_θ + noise (std 0.3 per token, plus std 0.6 per completion, so whole sequences move too) and π_ref = π_θ
-    + noise of std 0.2: ratios leave [1-ε, 1+ε_high] and δ at both ratio levels, so every clip engages (see
+    """The batch as both sides take it: ours a sampling.Rollouts, TRL the dict its
+    _generate_and_score_completions returns (prompt/completion ids and masks, advantages, π_old's
+    and π_ref's log-probs; parity_trl adds the token count). π_old = π_θ + noise (std 0.3 per token,
+    plus std 0.6 per completion, so whole sequences move too) and π_ref = π_θ + noise of std 0.2:
+    ratios leave [1-ε, 1+ε_high] and δ at both ratio levels, so every clip engages (see
     parity_engagement), and the KL is not 0."""
     s, g = PARITY_SHAPE, torch.Generator().manual_seed(0)
     G, P, C = s["group"], max(s["prompt_lens"]), max(s["completion_lens"])
@@ -908,8 +1038,9 @@ def parity_batch(model):
 
 
 def parity_engagement(batch):
-    """{ratio level: {clip: the completion tokens it acts on at θ}}: ε's low clip (Â < 0), ε_high's high clip (Â > 0,
-    with ε_high = ε and 0.28) and δ = 1.5's dual clip (Â < 0). A clip that acts on no token would go untested."""
+    """{ratio level: {clip: the completion tokens it acts on at θ}}: ε's low clip (Â < 0), ε_high's
+    high clip (Â > 0, with ε_high = ε and 0.28) and δ = 1.5's dual clip (Â < 0). A clip that acts on
+    no token would go untested."""
     m, adv = batch["trl"]["completion_mask"].bool(), batch["advantages"][:, None]
     log_ratio = torch.where(m, batch["current"] - batch["old"], 0.0)
     seq = (log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True)).expand_as(log_ratio)
@@ -933,9 +1064,10 @@ def named_grads(model):
 
 
 def parity_ours(model, batch, objective, micro, rows=slice(None)):
-    """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of `micro` rows:
-    train.policy_update itself, with an optimizer that cannot move the weights (SGD at lr 0) and no clipping (max
-    norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients stay in .grad."""
+    """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of
+    `micro` rows: train.policy_update itself, with an optimizer that cannot move the weights (SGD at
+    lr 0) and no clipping (max norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients
+    stay in .grad."""
     r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
     part = sampling.Rollouts(
         r.input_ids[rows],
@@ -948,7 +1080,8 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
     grads = {}
 
     class Recording(torch.optim.SGD):
-        """SGD at lr 0 that keeps the gradients it steps with (the loop frees them right after the step)."""
+        """SGD at lr 0 that keeps the gradients it steps with (the loop frees them right after the
+        step)."""
 
         def step(self, closure=None):
             grads.update(named_grads(model))
@@ -973,8 +1106,9 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
 def parity_trainer(
     model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None
 ):
-    """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused log-prob head), set as
-    ours: same loss, ε, ε_high, δ, β, ratio level, temperature, max_completion_length; every TRL extra off."""
+    """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused
+    log-prob head), set as ours: same loss, ε, ε_high, δ, β, ratio level, temperature,
+    max_completion_length; every TRL extra off."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -1026,9 +1160,10 @@ def parity_trainer(
 
 
 def parity_trl(trainer, batch, micro_rows, accumulation=1):
-    """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice of the generation
-    batch, backward after each, as Trainer.training_step does (GRPOTrainer's loss_is_scaled_for_ga: Trainer adds no
-    scaling of its own). Returns the sum of the micro-batch losses and the accumulated gradients."""
+    """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice
+    of the generation batch, backward after each, as Trainer.training_step does (GRPOTrainer's
+    loss_is_scaled_for_ga: Trainer adds no scaling of its own). Returns the sum of the micro-batch
+    losses and the accumulated gradients."""
     inputs = batch["trl"]
     trainer.model.train()
     trainer.model.zero_grad(set_to_none=True)
@@ -1038,7 +1173,8 @@ def parity_trl(trainer, batch, micro_rows, accumulation=1):
     losses = []
     for rows in micro_rows:
         micro = {k: v[rows] for k, v in inputs.items()}
-        # num_items_in_batch: the tokens of the whole generation batch (all micro-batches), as TRL computes it
+        # num_items_in_batch: the tokens of the whole generation batch (all micro-batches), as TRL
+        # computes it
         micro["num_items_in_batch"] = inputs["completion_mask"].sum()
         loss = trainer.compute_loss(trainer.model, micro)
         loss.backward()
@@ -1047,7 +1183,8 @@ def parity_trl(trainer, batch, micro_rows, accumulation=1):
 
 
 def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
-    """A table row; TRL's loss and gradients times trl_scale (a deliberate normalization difference) must match."""
+    """A table row; TRL's loss and gradients times trl_scale (a deliberate normalization difference)
+    must match."""
     (our_loss, our_grads), (trl_loss, trl_grads) = ours, trl
     diff = max((our_grads[k] - trl_grads[k]).abs().max().item() for k in our_grads)
     loss_ok = abs(our_loss - trl_scale * trl_loss) <= PARITY_TOL * max(1.0, abs(trl_loss))
@@ -1067,7 +1204,8 @@ def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
 
 
 def parity_cases():
-    """Every combination: loss type x β (KL to π_ref) x ε_high (clip-higher) x δ (dual clip) x ratio level."""
+    """Every combination: loss type x β (KL to π_ref) x ε_high (clip-higher) x δ (dual clip) x ratio
+    level."""
     for loss_type, beta, epsilon_high, delta, ratio_level in itertools.product(
         ("grpo", "dapo", "dr_grpo"), (0.0, 0.04), (None, 0.28), (None, 1.5), ("token", "sequence")
     ):
@@ -1088,19 +1226,23 @@ def parity_name(case):
 
 
 def parity_accumulation(model, tokenizer, tmp, batch):
-    """Several micro-batches per generation batch, where TRL's normalizers come into play (β, ε_high, δ on).
+    """Several micro-batches per generation batch, where TRL's normalizers come into play (β,
+    ε_high, δ on).
 
-    gradient_accumulation_steps=2 (steps_per_generation defaults to it): one optimizer step over two micro-batches of
-    one group each. TRL divides grpo's per-micro-batch mean of per-sequence means, and dr_grpo's, by the number of
-    micro-batches, and dapo's token sum by num_items_in_batch (the generation batch's tokens) x GAS / steps_per_gen,
-    which is all its tokens here: the totals are the whole batch's, as our whole-batch normalizer gives: must match.
+    gradient_accumulation_steps=2 (steps_per_generation defaults to it): one optimizer step over two
+    micro-batches of one group each. TRL divides grpo's per-micro-batch mean of per-sequence means,
+    and dr_grpo's, by the number of micro-batches, and dapo's token sum by num_items_in_batch (the
+    generation batch's tokens) x GAS / steps_per_gen, which is all its tokens here: the totals are
+    the whole batch's, as our whole-batch normalizer gives: must match.
 
-    steps_per_generation=2 with GAS=1: one generation feeds two optimizer steps of one group each (a layout our loop
-    does not have: it updates on the whole batch). grpo and dr_grpo still match ours on each group taken as a batch.
-    dapo differs by design: TRL divides each step by the generation batch's tokens / 2 (the average tokens per step,
-    the same for every step of a generation), we by the tokens of the batch the step uses. DAPO's token-level loss
-    (arXiv 2503.14476, eq. 8) normalizes by all tokens of the batch a gradient step uses (1 / Σ_i |o_i|): ours follows
-    it; in TRL a step of short completions weighs less. The row passes when TRL x (its normalizer / ours) = ours."""
+    steps_per_generation=2 with GAS=1: one generation feeds two optimizer steps of one group each (a
+    layout our loop does not have: it updates on the whole batch). grpo and dr_grpo still match ours
+    on each group taken as a batch. dapo differs by design: TRL divides each step by the generation
+    batch's tokens / 2 (the average tokens per step, the same for every step of a generation), we by
+    the tokens of the batch the step uses. DAPO's token-level loss (arXiv 2503.14476, eq. 8)
+    normalizes by all tokens of the batch a gradient step uses (1 / Σ_i |o_i|): ours follows it; in
+    TRL a step of short completions weighs less. The row passes when TRL x (its normalizer / ours) =
+    ours."""
     n, tokens = len(batch["advantages"]), batch["trl"]["completion_mask"]
     halves, rows = [slice(0, n // 2), slice(n // 2, n)], []
     for loss_type in ("grpo", "dapo", "dr_grpo"):
@@ -1135,7 +1277,8 @@ def parity_accumulation(model, tokenizer, tmp, batch):
 
 
 def worker_parity(a):
-    """e. (runs in the bench env): the table's rows, and how far TRL's per-token log-probs are from ours."""
+    """e. (runs in the bench env): the table's rows, and how far TRL's per-token log-probs are from
+    ours."""
     import trl
 
     s = PARITY_SHAPE
@@ -1218,13 +1361,15 @@ def bench_parity(a):
         sys.exit(f"parity FAILED: {', '.join(failed)}")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# d. Memory from the architecture: what a run of train.py holds on the device, by part (bytes = count x width).
+# --------------------------------------------------------------------------------------------------
+# d. Memory from the architecture: what a run of train.py holds on the device, by part (bytes =
+# count x width).
 
 
 def saved_bytes(model, tokens, amp):
-    """Bytes of the tensors autograd saves for backward in one forward of the decoder stack (no lm-head: the
-    chunked head keeps no [T, V] logits) over `tokens` tokens, each storage counted once."""
+    """Bytes of the tensors autograd saves for backward in one forward of the decoder stack (no
+    lm-head: the chunked head keeps no [T, V] logits) over `tokens` tokens, each storage counted
+    once."""
     storages = {}
 
     def pack(t):
@@ -1237,8 +1382,9 @@ def saved_bytes(model, tokens, amp):
 
 
 def activation_bytes_per_token_layer(name, amp):
-    """Measured on 1- and 2-layer models of the config at 128 and 256 tokens: the differences cancel the weights
-    (and autocast's copies of them), the embedding and the final norm, leaving one layer's activations per token."""
+    """Measured on 1- and 2-layer models of the config at 128 and 256 tokens: the differences cancel
+    the weights (and autocast's copies of them), the embedding and the final norm, leaving one
+    layer's activations per token."""
     per_layers = {}
     for layers in (1, 2):
         shape = dict(CONFIGS[name], num_hidden_layers=layers)
@@ -1248,18 +1394,21 @@ def activation_bytes_per_token_layer(name, amp):
 
 
 def memory_phases(a):
-    """What a train.py run of this config holds on the device in each phase, part by part (bytes), computed from the
-    architecture: {phase: [(part, bytes)]}. The phases are the loop's (generate, reference log-probs, policy
-    forward + backward, optimizer) and the evaluation's. What each phase holds:
-      - always: the fp32 weights, AdamW's two fp32 moments, the reference in the compute dtype (β > 0) and, with
-        --compile, the decode twin (every Linear weight in the compute dtype) and the KV caches of the two planned
-        decode shapes, which the compiled step reads in place for the whole run;
-      - generate and evaluation: the KV cache (rows x (prompt + new tokens), keys and values in the compute dtype)
-        and, eager, autocast's compute-dtype copy of every Linear weight, cached for the whole decode;
-      - reference log-probs: the prompt's KV cache repeated to the micro-batch's G rows, and the chunked lm-head's
-        fp32 logits;
-      - policy forward + backward: the fp32 gradients, autocast's copy of the weights, the micro-batch's activations
-        and the chunked lm-head's working set;
+    """What a train.py run of this config holds on the device in each phase, part by part (bytes),
+    computed from the architecture: {phase: [(part, bytes)]}. The phases are the loop's (generate,
+    reference log-probs, policy forward + backward, optimizer) and the evaluation's. What each phase
+    holds:
+      - always: the fp32 weights, AdamW's two fp32 moments, the reference in the compute dtype (β >
+        0) and, with --compile, the decode twin (every Linear weight in the compute dtype) and the
+        KV caches of the two planned decode shapes, which the compiled step reads in place for the
+        whole run;
+      - generate and evaluation: the KV cache (rows x (prompt + new tokens), keys and values in the
+        compute dtype) and, eager, autocast's compute-dtype copy of every Linear weight, cached for
+        the whole decode;
+      - reference log-probs: the prompt's KV cache repeated to the micro-batch's G rows, and the
+        chunked lm-head's fp32 logits;
+      - policy forward + backward: the fp32 gradients, autocast's copy of the weights, the
+        micro-batch's activations and the chunked lm-head's working set;
       - optimizer: the gradients (freed right after the step: no generation holds them)."""
     c, amp = CONFIGS[a.config], sampling.AUTOCAST_DTYPE[a.dtype]
     width = 2 if amp is not None else 4
@@ -1296,7 +1445,8 @@ def memory_phases(a):
         ("AdamW moments, fp32", 8 * n),
         (f"reference model, {a.dtype}", width * n if a.beta > 0 else 0),
         ("decode twin (--compile)", copy_bytes if a.compile else 0),
-        # compiled, each planned shape keeps its cache for the whole run (CUDA graphs read it in place)
+        # compiled, each planned shape keeps its cache for the whole run (CUDA graphs read it in
+        # place)
         (
             "the compiled decode's two KV caches, kept",
             kv["generate"][1] + kv["evaluation"][1] if a.compile else 0,
@@ -1335,7 +1485,8 @@ def memory_phases(a):
 
 
 def memory_table(a):
-    """The device memory of a train.py run of this config, phase by phase (memory_phases), in GB (1e9 bytes)."""
+    """The device memory of a train.py run of this config, phase by phase (memory_phases), in GB
+    (1e9 bytes)."""
     phases = memory_phases(a)
     n = sum(p.numel() for p in build_model_meta(a.config).parameters())
     print(
@@ -1460,8 +1611,8 @@ def build_parser():
     p.add_argument(
         "--real-length",
         action="store_true",
-        help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] (seed "
-        "0, the same for both trainers) instead of all running to max_new",
+        help="--step, --vs-trl: completions end with EOS at lengths uniform in [max_new/8, max_new] "
+        "(at least 2; seed 0, the same for both trainers) instead of all running to max_new",
     )
     p.add_argument(
         "--repeats",
@@ -1469,8 +1620,9 @@ def build_parser():
         default=1,
         help="--logprobs: calls per variant (median of all but the first)",
     )
-    # One thread by default on CPU: on a machine shared with other jobs, OpenMP threads waiting at barriers for a
-    # descheduled sibling made steps up to 70x slower and unrepeatable (measured here); one thread runs steadily.
+    # One thread by default on CPU: on a machine shared with other jobs, OpenMP threads waiting at
+    # barriers for a descheduled sibling made steps up to 70x slower and unrepeatable (measured
+    # here); one thread runs steadily.
     p.add_argument(
         "--threads",
         type=int,

@@ -1,24 +1,30 @@
-"""Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine without network.
+"""Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine
+without network.
 
-    python -m scripts.gpu_check --prepare DIR    # here, once, DIR a SmolLM2 model: writes gpu_kit/ (a few MiB)
-    python -m scripts.gpu_check --out $OUT/gpu_check.json      # on the GPU machine, from the checkout root
-    python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train.py's flags after --
-    python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4   # CPU smoke test
+    python -m scripts.gpu_check --prepare DIR   # here, once, DIR a SmolLM2 model: writes gpu_kit/
+    python -m scripts.gpu_check --out $OUT/gpu_check.json   # on the GPU machine, checkout root
+    python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train's flags
+    python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4
 
-The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not depend on the weights,
-and none can be downloaded there) and runs train.py's own loop with its default flags (G = 8, 4 prompts per step,
-300 new tokens, beta = 0.04, bf16 autocast over fp32 master weights) for 3 steps, with an evaluation on 16 questions
-before and after, on real GSM8K prompts. It reports seconds and peak memory per phase, whether the run fits a 40 GB
-card, and decode ms/token at 32 rows, eager and compiled, against the memory-bandwidth floor; --out FILE saves it as
-JSON. Exit code 1 if the run or the decode timing failed.
+(the last: the CPU smoke test; train.py's flags go after --.)
 
-gpu_kit/ (git-ignored) travels with the checkout: SmolLM2's tokenizer (the same for every size) and the first 64
-train / 32 test rows of GSM8K. The run reads --data gpu_kit/gsm8k/train.jsonl; test.jsonl beside it is the eval set.
+The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not
+depend on the weights, and none can be downloaded there) and runs train.py's own loop with its
+default flags (G = 8, 4 prompts per step, 300 new tokens, beta = 0.04, bf16 autocast over fp32
+master weights) for 3 steps, with an evaluation on 16 questions before and after, on real GSM8K
+prompts. It reports seconds and peak memory per phase (timed through train.train's phase hook,
+support/phases.py), whether the run fits a 40 GB card, and decode ms/token at 32 rows, eager and
+compiled, against the memory-bandwidth floor; --out FILE saves it as JSON. Exit code 1 if the run
+or the decode timing failed.
+
+gpu_kit/ (git-ignored) travels with the checkout: SmolLM2's tokenizer (the same for every size) and
+the first 64 train / 32 test rows of GSM8K (a few MiB). The run reads --data
+gpu_kit/gsm8k/train.jsonl; test.jsonl beside it is the eval set.
 """
 
 import argparse
+import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -29,9 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import ExitStack
 from dataclasses import dataclass
-from unittest import mock
 
 # the GPU machine has no network: never wait for the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,37 +49,33 @@ import data
 import sampling
 import train
 from scripts import bench
-from support import checkpoint, decode, demo, models
+from support import decode, demo, models
+from support.phases import Phases
 
 KIT_ROWS = {"train": 64, "test": 32}
 GIB = 2**30
-# What nvidia-smi reports as the total memory of an A100 40GB and an H100 80GB, and a CUDA context's share of it
-# (outside torch's allocator, so not in max_memory_reserved).
+# What nvidia-smi reports as the total memory of an A100 40GB and an H100 80GB, and a CUDA context's
+# share of it (outside torch's allocator, so not in max_memory_reserved).
 CARDS = {"40 GB": 40536 * 2**20, "80 GB": 81559 * 2**20}
 CUDA_CONTEXT = 600 * 2**20
-# The timed phases: (module, attribute) -> phase name. The loop looks each up at call time, so a patch of the module's
-# attribute is what it calls.
+# train.py's phases (support/phases.py) -> the names this check reports them under; "step" and
+# "rewards" are not timed here.
 PHASES = {
-    (sampling, "sample_rollouts"): "generate",
-    (train, "frozen_logps"): "reference",
-    (train, "policy_update"): "forward_backward",
-    (train, "optimizer_step"): "optimizer",
-    (train, "evaluate"): "evaluation",
-    (checkpoint, "save_run"): "checkpoint",
-}
-# phases that run after the step's log line, not before it
-AFTER_LOG_STEP = {
-    "evaluation",
-    "checkpoint",
+    "generate": "generate",
+    "reference": "reference",
+    "update": "forward_backward",
+    "optimizer": "optimizer",
+    "evaluation": "evaluation",
+    "checkpoint": "checkpoint",
 }
 
-
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The kit: what the GPU machine needs from outside the checkout.
 
 
 def prepare_kit(smollm2_dir, gsm8k_dir, kit):
-    """Write KIT/tokenizer (SmolLM2's) and KIT/gsm8k/{train,test}.jsonl (GSM8K's first rows). Returns its bytes."""
+    """Write KIT/tokenizer (SmolLM2's) and KIT/gsm8k/{train,test}.jsonl (GSM8K's first rows).
+    Returns its bytes."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     if getattr(tokenizer, "chat_template", None) is None:
         print(
@@ -120,14 +120,15 @@ def load_kit_tokenizer(kit):
     return sampling.prepare_tokenizer(AutoTokenizer.from_pretrained(path))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Memory and time, phase by phase.
 
 
 class Meter:
-    """Peak memory since the last reset: torch.cuda.max_memory_allocated on CUDA; on CPU, the high-water mark of
-    this process's resident memory, as bench.py measures it (VmHWM, reset by writing 5 to /proc/self/clear_refs).
-    overall and overall_reserved: the highest peaks seen across resets (reserved: CUDA's caching allocator)."""
+    """Peak memory since the last reset: torch.cuda.max_memory_allocated on CUDA; on CPU, the
+    high-water mark of this process's resident memory, as bench.py measures it (VmHWM, reset by
+    writing 5 to /proc/self/clear_refs). overall and overall_reserved: the highest peaks seen across
+    resets (reserved: CUDA's caching allocator)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -179,52 +180,44 @@ class Frame:
     peak: int = 0
 
 
-class PhaseTimer:
-    """Wraps the loop's functions (PHASES) to record (phase, step, seconds, peak memory) per call. A phase nested in
-    another (optimizer_step inside policy_update) is cut out of it: each phase's time and peak are its own. The
-    rollouts of an evaluation count as evaluation, not generate."""
+class PhaseTimer(Phases):
+    """Times train.train's phases through its phase hook (support/phases.py: passed as
+    train(..., phases=timer)), recording (phase, step, seconds, peak memory) per call of each phase
+    in PHASES. A phase nested in another (the optimizer inside the update) is cut out of it: each
+    phase's time and peak are its own. An evaluation's rollouts count as evaluation (train never
+    reports them as generate)."""
 
     def __init__(self, meter):
         self.meter, self.stack, self.events, self.logged, self.step_times = meter, [], [], 0, []
+        self.current = 0  # the step being made (train's "step" phase), 0 before the first
 
-    def patches(self):
-        """The patches to enter for the run: every phase, and log_step (it counts the steps done)."""
-        patches = [
-            mock.patch.object(module, attr, self.wrap(name, getattr(module, attr)))
-            for (module, attr), name in PHASES.items()
-        ]
-        return patches + [mock.patch.object(train, "log_step", self.count_steps(train.log_step))]
+    def phase(self, name, step=None):
+        if name == "step":
+            self.current = step
+        if name not in PHASES:
+            return super().phase(name, step)
+        # evaluation and checkpoint: after the steps done (0: before training); the rest: in one
+        return self.timed(PHASES[name], self.current if step is None else step)
 
-    def wrap(self, name, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            if name == "generate" and any(f.name == "evaluation" for f in self.stack):
-                return fn(*args, **kwargs)
-            self.enter(name)
-            finished = False
-            try:
-                out = fn(*args, **kwargs)
-                finished = True
-                return out
-            finally:
-                self.leave(finished)
+    def step_logged(self, step, metrics):
+        """Counts the steps done, and keeps the loop's own time of each."""
+        self.logged = step
+        self.step_times.append(metrics["step_time"])
 
-        return timed
+    @contextlib.contextmanager
+    def timed(self, name, step):
+        self.enter(name, step)
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self.leave(finished)
 
-    def count_steps(self, fn):
-        @functools.wraps(fn)
-        def counted(path, step, args, metrics, *rest, **kwargs):
-            self.logged = step
-            self.step_times.append(metrics["step_time"])
-            return fn(path, step, args, metrics, *rest, **kwargs)
-
-        return counted
-
-    def enter(self, name):
+    def enter(self, name, step):
         if self.stack:  # the enclosing phase's peak so far, before the reset
             self.stack[-1].peak = max(self.stack[-1].peak, self.meter.peak())
         self.meter.reset()
-        step = self.logged if name in AFTER_LOG_STEP else self.logged + 1
         self.stack.append(Frame(name, step, time.perf_counter()))
 
     def leave(self, finished):
@@ -248,7 +241,8 @@ class PhaseTimer:
         return [e["step"] for e in self.events if e["phase"] == name and e["finished"]]
 
     def summary(self, steps):
-        """{phase: {seconds, calls, per_step [steps + 1] (index 0: before training), peak_bytes}}."""
+        """{phase: {seconds, calls, per_step [steps + 1] (index 0: before training),
+        peak_bytes}}."""
         out = {}
         for name in PHASES.values():
             events = [e for e in self.events if e["phase"] == name]
@@ -264,13 +258,14 @@ class PhaseTimer:
         return out
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The run: train.py's loop on a random-weight model.
 
 
 def build_model(config_name, tokenizer, device):
-    """bench.CONFIGS[config_name] with random fp32 weights, built on the device (nothing to move), with at least the
-    tokenizer's vocabulary and the tokenizer's EOS, pad and BOS ids, as SmolLM2's own configs have them."""
+    """bench.CONFIGS[config_name] with random fp32 weights, built on the device (nothing to move),
+    with at least the tokenizer's vocabulary and the tokenizer's EOS, pad and BOS ids, as SmolLM2's
+    own configs have them."""
     shape = dict(bench.CONFIGS[config_name])
     vocab = max(shape.pop("vocab_size"), len(tokenizer))
     with torch.device(device):
@@ -282,30 +277,23 @@ def build_model(config_name, tokenizer, device):
 
 
 def run_training(args, config_name, tokenizer, timer):
-    """train.setup then train.train, as train.main runs them, with models.load_model giving the random-weight
-    model and the phases timed. Returns (model or None, task or None, what happened)."""
-
-    def load_model(name, trust_remote_code=False, check_config=None):
-        model = build_model(config_name, tokenizer, args.device)
-        if check_config is not None:
-            check_config(model.config, config_name)
-        return model, sampling.prepare_tokenizer(tokenizer)
-
+    """train.py's run, as train.main makes it, on the random-weight model: the task as the flags
+    make it (train.load_task), the model built here (checked against the context as train.setup
+    checks a loaded one), then train.train with `timer` as its phase hook. Returns (model or None,
+    task or None, what happened)."""
     task = model = error = None
     evals, t0 = [], time.perf_counter()
     try:
-        with ExitStack() as stack:
-            for patch in [mock.patch.object(models, "load_model", load_model)] + timer.patches():
-                stack.enter_context(patch)
-            task, model, tokenizer = train.setup(args)
-            evals = train.train(args, task, model, tokenizer)
+        transformers.set_seed(args.seed)
+        task = train.load_task(args)
+        model = build_model(config_name, tokenizer, args.device)
+        models.check_context(args.max_new_tokens, args.max_prompt_length, model.config, config_name)
+        evals = train.train(args, task, model, tokenizer, phases=timer)
     # the report says what failed (CUDA out of memory, ...); the traceback goes to stderr
     except Exception as e:
         traceback.print_exc()
         error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    wanted = [
-        s for s in range(args.steps + 1) if task is not None and train.eval_due(args, task, s)
-    ]
+    wanted = [] if task is None else evaluations_due(args, task)
     done = timer.finished("evaluation")
     return (
         model,
@@ -324,8 +312,18 @@ def run_training(args, config_name, tokenizer, timer):
     )
 
 
+def evaluations_due(args, task):
+    """The steps after which train.py evaluates (0: before training): 0, every --eval-every steps
+    and the last; none with --eval-every -1 or without held-out rows."""
+    every, steps = args.eval_every, args.steps
+    if every < 0 or not task.eval:
+        return []
+    return [s for s in range(steps + 1) if s in (0, steps) or (every > 0 and s % every == 0)]
+
+
 def train_flags(kit, device, output_dir):
-    """train.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's GSM8K rows."""
+    """train.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's
+    GSM8K rows."""
     return [
         "--model",
         "SmolLM2-1.7B-Instruct",
@@ -342,7 +340,7 @@ def train_flags(kit, device, output_dir):
     ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Decode against its floor.
 
 
@@ -356,10 +354,11 @@ def measure(fn, meter):
 
 
 def decode_check(model, tokenizer, task, args, opts, meter):
-    """ms per new token of decode.generate at opts.rows rows (rows / G prompts of the kit, built as the loop builds
-    them), EOS never drawn, eager then compiled (sampling.compile_model + plan_decode): a warm-up call, then a timed
-    one, whose seconds over max_new are the ms per token (its one prefill included). generate runs
-    under the run's autocast (amp), as sample_rollouts runs it."""
+    """ms per new token of decode.generate at opts.rows rows (rows / G prompts of the kit, built as
+    the loop builds them), EOS never drawn, eager then compiled (sampling.compile_model +
+    plan_decode): a warm-up call, then a timed one, whose seconds over max_new are the ms per token
+    (its one prefill included). generate runs under the run's autocast (amp), as sample_rollouts
+    runs it."""
     G, max_new = args.num_generations, opts.max_new_tokens or args.max_new_tokens
     if opts.rows % G or opts.rows // G > len(task.train):
         raise config.UserError(
@@ -371,10 +370,13 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
     # an EOS after max_new tokens: never
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
-    eos, amp = sampling.eos_token_ids(model, tokenizer), sampling.AUTOCAST_DTYPE[args.dtype]
+    eos, amp = sampling.eos_token_ids(model, tokenizer), train.Settings.of(args).autocast_dtype
 
     def generate():  # as sample_rollouts runs it: under the run's autocast
-        with sampling.autocast(ids.device, amp), bench.forced_lengths_in_decode([lengths], eos):
+        with (
+            sampling.autocast(ids.device, amp),
+            bench.forced_lengths_in_decode(model, lengths, eos),
+        ):
             return decode.generate(model, ids, mask, settings, G, eos, tokenizer.pad_token_id)
 
     result = dict(
@@ -405,7 +407,8 @@ def decode_check(model, tokenizer, task, args, opts, meter):
 
 
 def copy_bandwidth(device, nbytes, repeats=5):
-    """Bytes per second of a device-to-device copy of nbytes (read + written), the best of `repeats`."""
+    """Bytes per second of a device-to-device copy of nbytes (read + written), the best of
+    `repeats`."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -424,8 +427,9 @@ def copy_bandwidth(device, nbytes, repeats=5):
 
 
 def decode_floor(model, timing, amp, bandwidth):
-    """The bytes one decode step must read, in the compute dtype: every nn.Linear weight once (a tied lm-head counts
-    once, as a Linear) and the whole static KV cache (its masked columns too); over the bandwidth, ms per token."""
+    """The bytes one decode step must read, in the compute dtype: every nn.Linear weight once (a
+    tied lm-head counts once, as a Linear) and the whole static KV cache (its masked columns too);
+    over the bandwidth, ms per token."""
     size = torch.empty((), dtype=amp or torch.float32).element_size()
     linear = {
         id(p): p.numel()
@@ -461,7 +465,7 @@ def decode_floor(model, timing, amp, bandwidth):
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The report.
 
 
@@ -481,8 +485,8 @@ def machine(device):
 
 
 def memory_verdict(meter):
-    """Whether the run's peak fits each card: CUDA's reserved peak (what the allocator took from the card) plus the
-    context. None on CPU, where the peak is resident host memory."""
+    """Whether the run's peak fits each card: CUDA's reserved peak (what the allocator took from the
+    card) plus the context. None on CPU, where the peak is resident host memory."""
     peak = dict(
         kind="torch.cuda.max_memory_allocated" if meter.cuda else "resident memory (VmHWM)",
         peak_bytes=meter.overall,
@@ -506,8 +510,9 @@ MODEL_PHASES = {
 
 
 def predicted_phases(args, config_name, tokenizer, task):
-    """{phase: bytes}: bench.memory_phases' arithmetic for this run's flags (the longest prompt of the run as every
-    prompt's length), to hold against the measured peaks. None when the run failed before its task was built."""
+    """{phase: bytes}: bench.memory_phases' arithmetic for this run's flags (the longest prompt of
+    the run as every prompt's length), to hold against the measured peaks. None when the run failed
+    before its task was built."""
     if task is None:
         return None
     shape = argparse.Namespace(
@@ -640,7 +645,7 @@ def print_report(report):
     print(f"===== {'OK' if report['ok'] else 'FAILED'}")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The command line.
 
 
@@ -731,8 +736,8 @@ def check(opts, train_argv, command):
 
 
 def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
-    """{decode, floor, parameters, vocab_size}; decode holds only an error when it failed (or the model never
-    got built)."""
+    """{decode, floor, parameters, vocab_size}; decode holds only an error when it failed (or the
+    model never got built)."""
     if model is None:
         return dict(
             decode=dict(error="no model: the run failed before building it"),
@@ -747,7 +752,7 @@ def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
     try:
         out["decode"] = decode_check(model, tokenizer, task, args, opts, meter)
         out["floor"] = decode_floor(
-            model, out["decode"], sampling.AUTOCAST_DTYPE[args.dtype], bandwidth
+            model, out["decode"], train.Settings.of(args).autocast_dtype, bandwidth
         )
     except Exception as e:
         traceback.print_exc()

@@ -1,11 +1,13 @@
-"""The offline demo, and the tiny models built in code that the demo, the tests and scripts/bench.py share.
+"""The offline demo, and the tiny models built in code that the demo, the tests and scripts/bench.py
+share.
 
-    python train.py --demo        # a 2-layer Llama learns single-digit addition from the reward alone, on CPU
+    python train.py --demo   # a 2-layer Llama learns 1-digit addition from the reward alone, on CPU
 
-The task: "3 + 4 =" -> "<answer> 7 </answer>", all 100 problems, scored by rewards.correctness_reward (the function
-the GSM8K run uses). The demo trains and measures on the same 100 problems: it shows the reward rising, not
-generalization. A short supervised warm-up first brings the model to about --demo-target-accuracy, so GRPO starts
-from a weak but non-zero skill, as it does from a pretrained model; everything above that is GRPO's.
+The task: "3 + 4 =" -> "<answer> 7 </answer>", all 100 problems, scored by
+rewards.correctness_reward (the function the GSM8K run uses). The demo trains and measures on the
+same 100 problems: it shows the reward rising, not generalization. A short supervised warm-up first
+brings the model to about --demo-target-accuracy, so GRPO starts from a weak but non-zero skill, as
+it does from a pretrained model; everything above that is GRPO's.
 """
 
 import torch
@@ -32,7 +34,8 @@ def tiny_llama(
     tie_word_embeddings=True,
     **config,
 ):
-    """A randomly initialized fp32 Llama, the same weights for the same seed and shape; pad id 0, EOS id 1."""
+    """A randomly initialized fp32 Llama, the same weights for the same seed and shape; pad id 0,
+    EOS id 1."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(
         LlamaConfig(
@@ -54,8 +57,8 @@ def tiny_llama(
 
 
 def word_tokenizer(words, unk_token="<unk>"):
-    """A whitespace-split word-level tokenizer over `words` (ids in list order; words[0] pads, words[1] ends),
-    left-padded: a text of n known words is exactly n tokens."""
+    """A whitespace-split word-level tokenizer over `words` (ids in list order; words[0] pads,
+    words[1] ends), left-padded: a text of n known words is exactly n tokens."""
     word_level = Tokenizer(
         models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=unk_token)
     )
@@ -67,13 +70,15 @@ def word_tokenizer(words, unk_token="<unk>"):
 
 
 def model_and_tokenizer(seed):
-    """The demo's policy before its warm-up: a 2-layer Llama of hidden size 64 over the demo's 26 words."""
+    """The demo's policy before its warm-up: a 2-layer Llama of hidden size 64 over the demo's 26
+    words."""
     return tiny_llama(len(WORDS), seed, max_position_embeddings=512), word_tokenizer(WORDS)
 
 
 def setup(seed, warmup_steps, target_accuracy):
-    """The demo's model (warmed up), tokenizer and task. One thread: a model this small gains nothing from
-    intra-op parallelism, and spinning OpenMP threads slow it down many times over on a shared machine."""
+    """The demo's model (warmed up), tokenizer and task. One thread: a model this small gains
+    nothing from intra-op parallelism, and spinning OpenMP threads slow it down many times over
+    on a shared machine."""
     torch.set_num_threads(1)
     model, tokenizer = model_and_tokenizer(seed)
     problems = [
@@ -96,8 +101,8 @@ def setup(seed, warmup_steps, target_accuracy):
 
 
 def examples(tokenizer, problems):
-    """Token ids [100, 7] of the right completions "a + b = <answer> a+b </answer> <eos>" (3 prompt + 4 completion
-    tokens, no padding) and labels with the prompt masked out (-100)."""
+    """Token ids [100, 7] of the right completions "a + b = <answer> a+b </answer> <eos>" (3
+    prompt + 4 completion tokens, no padding) and labels with the prompt masked out (-100)."""
     texts = [f"{p['prompt']} <answer> {p['answer']} </answer> <eos>" for p in problems]
     ids = tokenizer(texts, return_tensors="pt", add_special_tokens=False)["input_ids"]
     labels = ids.clone()
@@ -106,8 +111,9 @@ def examples(tokenizer, problems):
 
 
 def warmup(model, tokenizer, problems, seed, max_steps, target_accuracy, batch_size=64, lr=3e-3):
-    """Supervised steps on the right completions until the model would answer right target_accuracy of the time
-    (checked every 5 steps; at most max_steps). Returns the number of steps taken."""
+    """Supervised steps on the right completions until the model would answer right
+    target_accuracy of the time (checked every 5 steps; at most max_steps). Returns the number of
+    steps taken."""
     ids, labels = examples(tokenizer, problems)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -125,8 +131,8 @@ def warmup(model, tokenizer, problems, seed, max_steps, target_accuracy, batch_s
 
 @torch.no_grad()
 def accuracy(model, tokenizer, problems):
-    """The exact expected correctness of sampling at T=1 (no top-k/top-p): the mean over problems of the probability
-    of writing the right completion, teacher-forced in one forward pass."""
+    """The exact expected correctness of sampling at T=1 (no top-k/top-p): the mean over problems
+    of the probability of writing the right completion, teacher-forced in one forward pass."""
     ids, _ = examples(tokenizer, problems)
     was_training = model.training
     model.eval()

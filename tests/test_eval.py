@@ -1,4 +1,5 @@
-"""Evaluation: mean accuracy, maj@k and pass@k on held-out questions, and the built-in addition task end to end."""
+"""Evaluation: mean accuracy, maj@k and pass@k on held-out questions, and the built-in addition
+task end to end."""
 
 import dataclasses
 import json
@@ -17,7 +18,8 @@ import train
 from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
 from support import evaluation
 
-# --- maj@k: the answer most of a question's k completions give, scored ------------------------------------------------
+# --- maj@k: the answer most of a question's k completions give, scored
+# ------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -35,7 +37,8 @@ def test_majority_index_breaks_ties_by_the_first_answer_given(answers, index):
 
 
 def fixed_completions(texts):
-    """sample_rollouts replaced: each call returns the next question group's completions as written here."""
+    """sample_rollouts replaced: each call returns the next question group's completions as
+    written here."""
     calls = iter(texts)
 
     def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None):
@@ -46,11 +49,12 @@ def fixed_completions(texts):
 
 
 def test_evaluate_reports_mean_maj_and_pass_at_k_on_a_worked_example():
-    # Two questions, k = 4 completions each, scored by GSM8K's correctness (the last number in <answer>):
+    # Two questions, k = 4 completions each, scored by GSM8K's correctness (the last number in
+    # <answer>):
     #   "7": answers 8, 7, 8, none   -> mean 1/4, pass 1, maj: 8 (two votes) is wrong       -> 0
     #   "5": answers 5, 6, none, none -> mean 1/4, pass 1, maj: 5 and 6 tie, 5 came first -> 1
-    # so accuracy 0.25, maj@4 0.5, pass@4 1.0: majority voting is right more often than one sample, less than the
-    # best of four.
+    # so accuracy 0.25, maj@4 0.5, pass@4 1.0: majority voting is right more often than one sample,
+    # less than the best of four.
     task = data.Task(
         train=[],
         eval=[{"prompt": "3 + 4 =", "answer": "7"}, {"prompt": "2 + 3 =", "answer": "5"}],
@@ -73,7 +77,8 @@ def test_evaluate_reports_mean_maj_and_pass_at_k_on_a_worked_example():
         "correctness_maj@4": 0.5,
         "reward_maj@4": 0.5,
     }
-    # a task without an answer extractor (your own task without --extract-answer): no maj@k, the rest unchanged
+    # a task without an answer extractor (your own task without --extract-answer): no maj@k, the
+    # rest unchanged
     task = dataclasses.replace(task, extract_answer=None)
     with mock.patch.object(sampling, "sample_rollouts", fixed_completions(completions)):
         result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
@@ -100,14 +105,15 @@ def test_an_extract_answer_that_raises_is_one_clear_error(tmp_path, monkeypatch)
     )
 
 
-# --- --task addition, end to end on the tiny model ----------------------------------------------------------------------
+# --- --task addition, end to end on the tiny model
+# ----------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_task_addition_trains_and_reports_mean_maj_and_pass_at_k(tmp_path):
-    # The demo's tiny model (its word tokenizer reads "What is 34 + 22?" mostly as <unk>: this checks the plumbing,
-    # not learning; docs/results.md has the real run). 2 steps on training questions; evaluations before and after
-    # on the first 4 held-out questions, k = 4.
+    # The demo's tiny model (its word tokenizer reads "What is 34 + 22?" mostly as <unk>: this
+    # checks the plumbing, not learning; docs/results.md has the real run). 2 steps on training
+    # questions; evaluations before and after on the first 4 held-out questions, k = 4.
     out = tmp_path / "run"
     seen = []
     real = sampling.sample_rollouts
@@ -176,14 +182,16 @@ def test_curves_draw_maj_and_pass_at_k_beside_the_mean(tmp_path):
     assert drawn["correctness_pass@8 (eval)"] == [0.45, 0.5]
 
 
-# --- a long run says what it is doing ---------------------------------------------------------------------------------
+# --- a long run says what it is doing
+# ---------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_loading_evaluation_and_saving_say_what_they_are_doing(tmp_path, monkeypatch, capsys):
-    # The first minutes of a 1.7B run (loading, the first evaluation over 1,319 questions, a 20 GB save) used to
-    # print nothing until the first batch or the save was done. Here: 5 held-out questions in batches of 2, and the
-    # announcing threshold lowered so the tiny model's save counts as large.
+    # The first minutes of a 1.7B run (loading, the first evaluation over 1,319 questions, a 20 GB
+    # save) used to print nothing until the first batch or the save was done. Here: 5 held-out
+    # questions in batches of 2, and the announcing threshold lowered so the tiny model's save
+    # counts as large.
     monkeypatch.setattr(train.checkpoint, "LARGE_SAVE_BYTES", 0)
     (tmp_path / "data").mkdir()
     train_file = write_gsm8k(tmp_path / "data" / "train.jsonl")

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py on CPU: the kit (--prepare), the random-weight model, and the whole check on the tiny shape, as the GPU
-machine runs it. No SmolLM2 here: the kit's tokenizer is a word-level one over GSM8K-like text, with a chat template.
+"""scripts/gpu_check.py on CPU: the kit (--prepare), the random-weight model, and the whole check on
+the tiny shape, as the GPU machine runs it. No SmolLM2 here: the kit's tokenizer is a word-level one
+over GSM8K-like text, with a chat template.
 
     python -m pytest -q tests/test_gpu_check.py
 """
@@ -16,7 +17,8 @@ from helpers import ROOT
 from scripts import gpu_check
 from support import demo
 
-# ChatML as SmolLM2's template writes it, with spaces between the tags and the words: one token each, word-level.
+# ChatML as SmolLM2's template writes it, with spaces between the tags and the words: one token
+# each, word-level.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
@@ -45,8 +47,9 @@ def write_gsm8k(directory, train=70, test=40):
 
 
 def save_word_tokenizer(path, size=2048, eos="<|im_end|>"):
-    """demo.word_tokenizer over the words of the GSM8K prompts (system prompt, questions, chat tags), filled up to
-    `size` words with w0, w1, ... so that every id a model of that vocabulary samples decodes."""
+    """demo.word_tokenizer over the words of the GSM8K prompts (system prompt, questions, chat
+    tags), filled up to `size` words with w0, w1, ... so that every id a model of that vocabulary
+    samples decodes."""
     text = data.SYSTEM_PROMPT + " Question: " + " ".join(row["question"] for row in gsm8k_rows(70))
     words = ["<pad>", eos, "<unk>", "<|im_start|>", "system", "user", "assistant"]
     words += sorted(set(text.split()) - set(words))
@@ -137,8 +140,9 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     decode, floor = report["decode"], report["floor"]
     assert decode["rows"] == 16 and decode["prompts"] == 2 and decode["new_tokens"] == 4
     assert decode["eager_ms_per_token"] > 0 and decode["compiled_ms_per_token"] > 0
-    # bf16: 2 bytes per Linear parameter, 4 layers of 4*128^2 + 3*128*512 and the tied 2048 x 128 lm-head once;
-    # the KV cache: 16 rows x (prompt + 4) positions x 4 layers x keys and values x 4 heads x 32 dims x 2 bytes.
+    # bf16: 2 bytes per Linear parameter, 4 layers of 4*128^2 + 3*128*512 and the tied 2048 x 128
+    # lm-head once; the KV cache: 16 rows x (prompt + 4) positions x 4 layers x keys and values x 4
+    # heads x 32 dims x 2 bytes.
     assert floor["weight_bytes"] == 2 * (4 * (4 * 128**2 + 3 * 128 * 512) + 2048 * 128) == 2_621_440
     assert floor["kv_bytes"] == 16 * (decode["prompt_tokens"] + 4) * 4 * 2 * 4 * 32 * 2
     assert floor["floor_ms_per_token"] > 0 and floor["bandwidth_bytes_per_s"] > 0
@@ -150,13 +154,14 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
 def test_bench_memory_arithmetic_holds_against_the_measured_peaks_of_the_135m_model_in_bf16(
     kit, tmp_path
 ):
-    # bench.memory_phases computes each phase's memory from the architecture (weights, AdamW, the bf16 reference,
-    # autocast's copy, gradients, KV cache, activations, the lm-head's chunks); gpu_check measures the real loop's
-    # peak per phase. On CPU the measure is resident memory above what was in use before the model; with glibc's
-    # mmap threshold fixed at 64 KiB every tensor's pages go back to the system when it is freed, so the resident
-    # high-water mark follows the live tensors (without it, freed gradients stay resident and the no-grad phases
-    # read 15-30% high). Measured 2026-11-23 on GSM8K prompts: -7% to +4% per phase. Bound: 15%, the allocator's
-    # slack and Python's own objects.
+    # bench.memory_phases computes each phase's memory from the architecture (weights, AdamW, the
+    # bf16 reference, autocast's copy, gradients, KV cache, activations, the lm-head's chunks);
+    # gpu_check measures the real loop's peak per phase. On CPU the measure is resident memory above
+    # what was in use before the model; with glibc's mmap threshold fixed at 64 KiB every tensor's
+    # pages go back to the system when it is freed, so the resident high-water mark follows the live
+    # tensors (without it, freed gradients stay resident and the no-grad phases read 15-30% high).
+    # Measured 2026-11-23 on GSM8K prompts: -7% to +4% per phase. Bound: 15%, the allocator's slack
+    # and Python's own objects.
     out = tmp_path / "report.json"
     command = [
         sys.executable,

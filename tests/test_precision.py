@@ -1,14 +1,15 @@
 """Tests in the precision a GPU run uses: bf16 and fp16 autocast over fp32 master weights, on CPU.
 
-Run: python -m pytest -q tests/test_precision.py
-CPU autocast supports both dtypes, so every path that runs on a GPU runs here too: the lean decode (eager and
-compiled), generate() and beam search, evaluation, training steps (μ = 1 and 2, β > 0 and β = 0, LoRA, gradient
-checkpointing, a reward model, torchrun with gloo), the reference model and the KV cache. Each is compared with fp32.
+Run: python -m pytest -q tests/test_precision.py CPU autocast supports both dtypes, so every path
+that runs on a GPU runs here too: the lean decode (eager and compiled), generate() and beam search,
+evaluation, training steps (μ = 1 and 2, β > 0 and β = 0, LoRA, gradient checkpointing, a reward
+model, torchrun with gloo), the reference model and the KV cache. Each is compared with fp32.
 
-Tolerances. bf16 keeps 8 significant bits (a relative rounding of at most 2^-9 = 0.2% per stored value), fp16 11
-bits (2^-12 = 0.024%). Each bound below is stated where it is used, from the measured difference and this
-resolution. Greedy completions of a model that is sure of its answer (the demo's, warmed up to p = 0.9) do not
-depend on the precision at all: their rewards must be equal.
+Tolerances. bf16 keeps 8 significant bits (a relative rounding of at most 2^-9 = 0.2% per stored
+value), fp16 11 bits (2^-12 = 0.024%). Each bound below is stated where it is used, from the
+measured difference and this resolution. Greedy completions of a model that is sure of its answer
+(the demo's, warmed up to p = 0.9) do not depend on the precision at all: their rewards must be
+equal.
 """
 
 import copy
@@ -43,8 +44,9 @@ HAS_DYNAMO = torch._dynamo.is_dynamo_supported()
 
 @pytest.fixture(scope="module")
 def sure_model():
-    """The demo's model warmed up until it answers right with probability 0.9, its tokenizer and task (100
-    problems): greedy decoding of it has wide margins between the first and second token."""
+    """The demo's model warmed up until it answers right with probability 0.9, its tokenizer and
+    task (100 problems): greedy decoding of it has wide margins between the first and second
+    token."""
     model, tokenizer, task = demo.setup(0, warmup_steps=600, target_accuracy=0.9)
     return model.eval(), tokenizer, task
 
@@ -61,7 +63,7 @@ def correctness(task, rollouts):
     return rewards.correctness_reward(rollouts.texts, answers)
 
 
-# --- generation ---------------------------------------------------------------------------------------------------
+# --- generation -----------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -70,8 +72,9 @@ def correctness(task, rollouts):
 def test_greedy_completions_under_autocast_get_the_fp32_rewards(
     sure_model, dtype, path, monkeypatch
 ):
-    # The crash this guards against: StaticCache takes one dtype for keys and values, and under autocast with fp32
-    # weights RoPE leaves the keys fp32 while the values come out bf16 (index_copy_ refused them at the first token).
+    # The crash this guards against: StaticCache takes one dtype for keys and values, and under
+    # autocast with fp32 weights RoPE leaves the keys fp32 while the values come out bf16
+    # (index_copy_ refused them at the first token).
     model, tokenizer, task = sure_model
     if path == "compiled":
         if not HAS_DYNAMO:
@@ -91,10 +94,11 @@ def test_greedy_completions_under_autocast_get_the_fp32_rewards(
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_decode_log_probs_under_autocast_are_within_rounding_of_fp32(dtype):
-    # Sampled at T = 1 (no top-k/top-p) under autocast, decode returns the log-prob each token was drawn with; the
-    # fp32 model's log-probs of the same tokens differ by the rounding of the compute dtype alone. Measured max
-    # |difference| on this model: 1.8e-3 (bf16) and 2.6e-4 (fp16), on log-probs of magnitude up to 5.1. Bound:
-    # 2e-2 for bf16 (2 units of 2^-9 relative rounding on a log-prob of 5) and 3e-3 for fp16 (2 units of 2^-12).
+    # Sampled at T = 1 (no top-k/top-p) under autocast, decode returns the log-prob each token was
+    # drawn with; the fp32 model's log-probs of the same tokens differ by the rounding of the
+    # compute dtype alone. Measured max |difference| on this model: 1.8e-3 (bf16) and 2.6e-4
+    # (fp16), on log-probs of magnitude up to 5.1. Bound: 2e-2 for bf16 (2 units of 2^-9 relative
+    # rounding on a log-prob of 5) and 3e-3 for fp16 (2 units of 2^-12).
     model = demo.tiny_llama(97, 0, num_key_value_heads=2, tie_word_embeddings=False).eval()
     torch.manual_seed(0)
     prompts = torch.randint(2, 97, (3, 7))
@@ -124,17 +128,19 @@ def test_the_kv_cache_is_held_in_the_compute_dtype():
     )
 
 
-# --- the compiled decode: bounded shapes, weights already in the compute dtype ---------------------------------------
+# --- the compiled decode: bounded shapes, weights already in the compute dtype
+# ---------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_DYNAMO, reason="torch.compile is unavailable on this Python")
 def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_decode(sure_model):
-    # The twin holds each Linear weight as autocast would cast it; everything else is the model's own tensor. So
-    # decoding with the twin computes exactly what decoding with the model under autocast computes (bit for bit,
-    # eager), and the compiled decode draws the same tokens with log-probs within bf16 rounding: its graph sums the
-    # same bf16 products in another order over a longer, masked cache (measured max difference 0.04 on log-probs
-    # up to 4; bound 0.1, about 12 units of 2^-9 relative on a log-prob of 4).
+    # The twin holds each Linear weight as autocast would cast it; everything else is the model's
+    # own tensor. So decoding with the twin computes exactly what decoding with the model under
+    # autocast computes (bit for bit, eager), and the compiled decode draws the same tokens with
+    # log-probs within bf16 rounding: its graph sums the same bf16 products in another order over a
+    # longer, masked cache (measured max difference 0.04 on log-probs up to 4; bound 0.1, about 12
+    # units of 2^-9 relative on a log-prob of 4).
     model = copy.deepcopy(sure_model[0])
     prompts, mask = torch.randint(2, 26, (3, 4)), torch.ones(3, 4, dtype=torch.long)
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=6)
@@ -169,8 +175,9 @@ def test_compiled_decode_reads_a_twin_in_the_compute_dtype_and_equals_the_eager_
 def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_one_cache_each(
     tmp_path, monkeypatch
 ):
-    # Training calls decode with 4 prompts x G = 4 = 16 rows, evaluation with 3 questions x 2 samples = 6 rows and a
-    # last batch of 1 x 2 (7 questions): padded up to 6, so two shapes in all, whatever the prompts' lengths.
+    # Training calls decode with 4 prompts x G = 4 = 16 rows, evaluation with 3 questions x 2
+    # samples = 6 rows and a last batch of 1 x 2 (7 questions): padded up to 6, so two shapes in
+    # all, whatever the prompts' lengths.
     frames = []
     real_compile = torch.compile
 
@@ -201,13 +208,14 @@ def test_a_compiled_run_compiles_one_decode_graph_per_planned_shape_and_keeps_on
     assert len(read_metrics(tmp_path)) == 3 + 3  # 3 steps, evaluations at 0, 2 and 3
 
 
-# --- training steps under autocast, on the same rollouts as fp32 ------------------------------------------------------
+# --- training steps under autocast, on the same rollouts as fp32
+# ------------------------------------------------------
 
 
 def one_update(dtype, mu, beta, checkpointing=False):
-    """μ policy updates (plain SGD, lr 0.5) of the demo's tiny model (seed 0) on fixed rollouts under `dtype`
-    autocast: ([each update's statistics]). The first update has ratio 1 (and KL 0 in fp32); the second sees the
-    weights the first one moved."""
+    """μ policy updates (plain SGD, lr 0.5) of the demo's tiny model (seed 0) on fixed rollouts
+    under `dtype` autocast: ([each update's statistics]). The first update has ratio 1 (and KL 0
+    in fp32); the second sees the weights the first one moved."""
     model, _ = demo.model_and_tokenizer(seed=0)
     if checkpointing:
         sampling.enable_gradient_checkpointing(model)
@@ -247,14 +255,15 @@ def one_update(dtype, mu, beta, checkpointing=False):
 def test_a_training_step_under_autocast_matches_fp32_within_rounding(
     dtype, mu, beta, checkpointing
 ):
-    # Same model, rollouts and advantages; only the compute dtype differs. Measured against fp32 (2026-11-23):
-    #   bf16: loss within 2.0e-4 (of 0.11 at the second update), KL 5.0e-5 (of 0.099), gradient norm 1.0e-3
-    #         relative, ratio 1.8e-3;
+    # Same model, rollouts and advantages; only the compute dtype differs. Measured against fp32
+    # (2026-11-23):
+    #   bf16: loss within 2.0e-4 (of 0.11 at the second update), KL 5.0e-5 (of 0.099), gradient
+    #         norm 1.0e-3 relative, ratio 1.8e-3;
     #   fp16: loss 2.4e-5, KL 4.5e-5, gradient norm 2.6e-4 relative, ratio 1.7e-4.
-    # Bounds, a few units of each dtype's relative rounding (2^-9 = 2e-3 for bf16, 2^-12 = 2.4e-4 for fp16) on
-    # values of order 1: loss and ratio within 5e-3 (bf16) and 1e-3 (fp16); gradient norm within 5e-3 and 2e-3
-    # relative; KL within 1e-3. At the first update π_θ = π_ref up to the reference's bf16 weights: KL under 1e-5
-    # (measured 6.2e-7), the ratio exactly 1.
+    # Bounds, a few units of each dtype's relative rounding (2^-9 = 2e-3 for bf16, 2^-12 = 2.4e-4
+    # for fp16) on values of order 1: loss and ratio within 5e-3 (bf16) and 1e-3 (fp16); gradient
+    # norm within 5e-3 and 2e-3 relative; KL within 1e-3. At the first update π_θ = π_ref up to the
+    # reference's bf16 weights: KL under 1e-5 (measured 6.2e-7), the ratio exactly 1.
     expected = one_update("fp32", mu, beta, checkpointing)
     got = one_update(dtype, mu, beta, checkpointing)
     bound = {"bf16": 5e-3, "fp16": 1e-3}[dtype]
@@ -277,12 +286,13 @@ def k3(ref_logps, logps):
 
 
 def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_identical_models_is_low():
-    # π_ref is π_θinit stored in bf16; π_θ is the same weights in fp32 under bf16 autocast. Their KL per token
-    # (eq. 4's k3) is the floor the KL term starts from. The rotary embedding's inverse frequencies are a buffer:
-    # cast to bf16 with the weights they would turn every position's angle by up to 0.4%, and the error grows with
-    # the position. A model with sharp attention (weights drawn at std 0.3) shows it; measured at positions
-    # 200-255: k3 floor 7.1e-3 with fp32 buffers, 2.2e-2 with bf16 ones. Asserted: fp32 buffers give at most half
-    # the bf16-buffer floor, and under 1e-2.
+    # π_ref is π_θinit stored in bf16; π_θ is the same weights in fp32 under bf16 autocast. Their KL
+    # per token (eq. 4's k3) is the floor the KL term starts from. The rotary embedding's inverse
+    # frequencies are a buffer: cast to bf16 with the weights they would turn every position's angle
+    # by up to 0.4%, and the error grows with the position. A model with sharp attention (weights
+    # drawn at std 0.3) shows it; measured at positions 200-255: k3 floor 7.1e-3 with fp32 buffers,
+    # 2.2e-2 with bf16 ones. Asserted: fp32 buffers give at most half the bf16-buffer floor, and
+    # under 1e-2.
     model = demo.tiny_llama(97, 0, max_position_embeddings=512, initializer_range=0.3).eval()
     ref = models.reference_model(model, 0.04, torch.bfloat16, "cpu")
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
@@ -299,7 +309,8 @@ def test_the_bf16_reference_keeps_its_buffers_in_fp32_and_the_kl_floor_between_i
     assert floors[0] < 0.5 * floors[1] and floors[0] < 1e-2, floors
 
 
-# --- the loop end to end under autocast -------------------------------------------------------------------------------
+# --- the loop end to end under autocast
+# -------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -367,11 +378,13 @@ def test_one_torchrun_step_under_bf16_with_gloo(tmp_path):
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
-# --- memory and resume ----------------------------------------------------------------------------------------------
+# --- memory and resume
+# ----------------------------------------------------------------------------------------------
 
 
 def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
-    # The next generation (the KV cache at its largest) must not hold them: 6.85 GB for SmolLM2-1.7B.
+    # The next generation (the KV cache at its largest) must not hold them: 6.85 GB for
+    # SmolLM2-1.7B.
     model, _ = demo.model_and_tokenizer(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mask = torch.ones(8, 6, dtype=torch.long)
@@ -404,7 +417,8 @@ def test_training_state_loads_onto_the_cpu(tmp_path, monkeypatch):
 
 
 class FakeCuda:
-    """torch.cuda's RNG functions on a machine with `count` GPUs, this process on device `current`."""
+    """torch.cuda's RNG functions on a machine with `count` GPUs, this process on device
+    `current`."""
 
     def __init__(self, count, current=0):
         self.count, self.current, self.set = count, current, []
@@ -454,7 +468,8 @@ def test_the_rng_state_saves_this_process_device_alone(monkeypatch):
     assert int(checkpoint.rng_state()["cuda"][0]) == 1
 
 
-# --- on a GPU, when there is one --------------------------------------------------------------------------------------
+# --- on a GPU, when there is one
+# --------------------------------------------------------------------------------------
 
 
 CUDA = pytest.mark.skipif(

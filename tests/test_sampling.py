@@ -271,29 +271,40 @@ def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
     model = small_llama()
     ids, mask = left_padded_prompts([4, 6], 97)
     settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
-    lengths = torch.tensor([3, 8, 1, 9, 5, 2])  # 9 > 8: no EOS (truncated)
+    lengths = torch.tensor([3, 8, 2, 9, 5, 2])  # 9 > 8: no EOS (truncated)
     batches = []
     model.model.embed_tokens.register_forward_pre_hook(
         lambda m, args: batches.append(args[0].shape[0])
     )
     torch.manual_seed(0)
-    with bench.forced_lengths_in_decode([lengths], demo.EOS):  # bench.py's, from outside decode
+    # bench.py's, from outside decode: a forward hook on the model
+    with bench.forced_lengths_in_decode(model, lengths, demo.EOS):
         out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     # The prefill (B = 2), then the token of step t (t = 1..7) is fed for the rows still without EOS
     # after it.
-    assert batches == [2, 5, 4, 3, 3, 2, 2, 2]
+    assert batches == [2, 6, 4, 3, 3, 2, 2, 2]
     assert out.shape == (6, 8)
     completion_mask = grpo.completion_mask(out, [demo.EOS])
-    assert completion_mask.sum(1).tolist() == [3, 8, 1, 8, 5, 2]
+    assert completion_mask.sum(1).tolist() == [3, 8, 2, 8, 5, 2]
     assert [row.index(demo.EOS) + 1 if demo.EOS in row else None for row in out.tolist()] == [
         3,
         8,
-        1,
+        2,
         None,
         5,
         2,
     ]
     assert (out[completion_mask == 0] == demo.PAD).all()
+    # A first token comes from the prompt's one prefill, shared by its G rows: a length of 1 holds
+    # for a whole group (which then leaves the batch at once), and is refused for part of one.
+    with bench.forced_lengths_in_decode(model, torch.tensor([1, 1, 1, 4, 9, 2]), demo.EOS):
+        out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    assert grpo.completion_mask(out, [demo.EOS]).sum(1).tolist() == [1, 1, 1, 4, 8, 2]
+    with (
+        pytest.raises(ValueError, match="whole group"),
+        bench.forced_lengths_in_decode(model, torch.tensor([3, 8, 1, 9, 5, 2]), demo.EOS),
+    ):
+        decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
 
 
 def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in_decode():
@@ -305,7 +316,7 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
 
     model = small_llama()
     ids, mask = left_padded_prompts([5, 5], 97)
-    lengths = torch.tensor([3, 8, 1, 9, 5, 2])
+    lengths = torch.tensor([3, 8, 2, 9, 5, 2])
     bench.force_lengths(model, [lengths])
     torch.manual_seed(0)
     hf = model.generate(
@@ -317,12 +328,12 @@ def test_bench_forces_the_same_completion_lengths_in_transformers_generate_as_in
         eos_token_id=demo.EOS,
         pad_token_id=demo.PAD,
     )
-    with bench.forced_lengths_in_decode([lengths], demo.EOS):
+    with bench.forced_lengths_in_decode(model, lengths, demo.EOS):
         ours = decode.generate(
             model, ids, mask, sampling.Sampling(0.9, 50, 0.9, 8), 3, [demo.EOS], demo.PAD
         )
     for completions in (hf[:, 5:], ours):
-        assert grpo.completion_mask(completions, [demo.EOS]).sum(1).tolist() == [3, 8, 1, 8, 5, 2]
+        assert grpo.completion_mask(completions, [demo.EOS]).sum(1).tolist() == [3, 8, 2, 8, 5, 2]
         assert (
             completions == demo.EOS
         ).sum().item() == 5  # EOS only where forced: every row but the 9's
@@ -338,13 +349,13 @@ def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
     model = small_llama()
     ids, mask = left_padded_prompts([4, 6], 97)
     settings = sampling.Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
-    lengths = torch.tensor([3, 8, 1, 9, 5, 2])
+    lengths = torch.tensor([3, 8, 2, 9, 5, 2])
     sampling.compile_model(model, "aot_eager")
     decode.plan_decode(model, rows=[8], length=6 + 8)
-    with bench.forced_lengths_in_decode([lengths], demo.EOS):
+    with bench.forced_lengths_in_decode(model, lengths, demo.EOS):
         out = decode.generate(model, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert out.shape == (6, 8)
-    assert grpo.completion_mask(out, [demo.EOS]).sum(1).tolist() == [3, 8, 1, 8, 5, 2]
+    assert grpo.completion_mask(out, [demo.EOS]).sum(1).tolist() == [3, 8, 2, 8, 5, 2]
 
 
 def test_bench_times_the_loop_itself(tmp_path):
