@@ -139,6 +139,7 @@ class Settings:
     """What the loop needs of the flags, decided once at startup (Settings.of): each function the
     loop calls takes the part it uses."""
 
+    steps: int  # M
     group_size: int  # G
     num_iterations: int  # μ
     prompts_per_step: int  # over all ranks: batch-size x gradient-accumulation-steps x processes
@@ -153,6 +154,7 @@ class Settings:
     mask_truncated: bool
     dynamic_sampling: bool
     max_resample: int
+    max_grad_norm: float  # 0: no clipping
     max_nonfinite: int  # updates skipped in a row before the run stops
     stop_when_zero_std: int  # steps in a row without reward spread before it stops; 0: never
     eval_every: int  # -1: never; 0: before and after training only
@@ -164,13 +166,12 @@ class Settings:
 
     @classmethod
     def of(cls, args, resume_dir=None):
-        G = args.num_generations
+        G, per_rank = args.num_generations, args.batch_size * args.gradient_accumulation_steps
         return cls(
+            steps=args.steps,
             group_size=G,
             num_iterations=args.num_iterations,
-            prompts_per_step=distributed.world()
-            * args.batch_size
-            * args.gradient_accumulation_steps,
+            prompts_per_step=distributed.world() * per_rank,
             micro_batch_size=args.micro_batch_size or args.batch_size * G,
             autocast_dtype=sampling.AUTOCAST_DTYPE[args.dtype],
             start=checkpoint.starting_weights(args, resume_dir),
@@ -182,6 +183,7 @@ class Settings:
             mask_truncated=args.mask_truncated,
             dynamic_sampling=args.dynamic_sampling,
             max_resample=args.max_resample,
+            max_grad_norm=args.max_grad_norm,
             max_nonfinite=args.max_nonfinite,
             stop_when_zero_std=args.stop_when_zero_std,
             eval_every=args.eval_every,
@@ -227,7 +229,7 @@ class Run:
             ref_logps,
             objective=s.loss,
             micro_batch_size=s.micro_batch_size,
-            max_grad_norm=self.args.max_grad_norm,
+            max_grad_norm=s.max_grad_norm,
             autocast_dtype=s.autocast_dtype,
             scaler=self.scaler,
             ddp=self.ddp,
@@ -449,7 +451,7 @@ def log_step(run, task, done, scored, updates, dynamic):
     rows, rollouts, reward, per_fn = scored
     s, G, gather = run.settings, run.settings.group_size, distributed.gather
     run.step_times.append(time.time() - run.step_started)
-    steps_left = run.args.steps - done
+    steps_left = run.settings.steps - done
     metrics = report.step_metrics(
         gather(reward),
         {name: gather(r) for name, r in per_fn.items()},
@@ -463,7 +465,7 @@ def log_step(run, task, done, scored, updates, dynamic):
     )
     metrics.update(dynamic)
     if distributed.is_main():  # one metrics.jsonl
-        report.log_step(run.log, done, run.args.steps, s.loss.beta, metrics, list(per_fn))
+        report.log_step(run.log, done, run.settings.steps, s.loss.beta, metrics, list(per_fn))
     run.phases.step_logged(done, metrics)
     first = task.prompt(run.tokenizer, rows[0]["prompt"])
     responses = task.responses(rollouts.texts)[:G]  # the first group's G completions
@@ -478,7 +480,7 @@ def save_or_stop(run, task, done):
     one is due (save_if_due), then Stopped if a signal came during the step on any rank. Returns
     whether the run stops here."""
     s = run.settings
-    stop = 0 < s.stop_when_zero_std <= run.zero_std_streak and done < run.args.steps
+    stop = 0 < s.stop_when_zero_std <= run.zero_std_streak and done < run.settings.steps
     if stop:
         print(
             f"stopping after step {done}: {run.zero_std_streak} steps in a row had no reward spread "
@@ -497,7 +499,7 @@ def save_if_due(run, task, done, last=False):
     evaluation loses no training. Returns whether it saved."""
     s = run.settings
     periodic = s.save_every > 0 and done % s.save_every == 0
-    if not (periodic or done == run.args.steps or last or eval_due(run, task, done)):
+    if not (periodic or done == run.settings.steps or last or eval_due(run, task, done)):
         return False
     # the run's last save when a signal asked it to stop: LoRA's merged model too
     final = last or STOPS.signum is not None
@@ -511,7 +513,7 @@ def eval_due(run, task, step, last=False):
     `last`: a step that ends the run early); --eval-every -1: never."""
     every = run.settings.eval_every
     periodic = every > 0 and step % every == 0
-    ends = step in (0, run.args.steps) or last
+    ends = step in (0, run.settings.steps) or last
     return every >= 0 and len(task.eval) > 0 and (ends or periodic)
 
 
