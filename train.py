@@ -95,7 +95,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     log_step(run, task, step + 1, scored, updates, dynamic)
                 # Save when due. A signal during the step (on any rank) stops here, saved.
                 stop = save_or_stop(run, task, step + 1)
-            if eval_due(run, task, step + 1, stop):
+            if eval_due(s, task, step + 1, stop):
                 with STOPS.at_once():  # the training is saved (save_or_stop)
                     evaluate_if_due(run, task, step + 1, stop)
             if stop:
@@ -239,8 +239,9 @@ class Run:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.log.close()
+    def __exit__(self, kind, error, traceback):
+        # an error ends the run failed; Ctrl-C and the signals are stops (saved, resumable)
+        self.log.close(failed=kind is not None and not issubclass(kind, KeyboardInterrupt))
 
 
 def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
@@ -293,11 +294,11 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     step = 0
     if resume_dir is not None:
         step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
-    # metrics.jsonl, and the trackers of --report-to
-    log, evals = report.open_log(args.output_dir, step if resume_dir is not None else None, args)
     if args.compile:  # the compiled decode's shapes, fixed for the run: two graphs, two KV caches
         length = decode_length(task, tokenizer, model, s.sampling)
         decode.plan_decode(model, decode_rows(s), length)
+    # metrics.jsonl, and the trackers of --report-to: last, as Run closes them
+    log, evals = report.open_log(args.output_dir, step if resume_dir is not None else None, args)
     return Run(
         args, s, model, ref_model, tokenizer, optimizer, scheduler, scaler, step, log, evals,
         phases, peft_model, ddp,
@@ -499,7 +500,8 @@ def save_if_due(run, task, done, last=False):
     evaluation loses no training. Returns whether it saved."""
     s = run.settings
     periodic = s.save_every > 0 and done % s.save_every == 0
-    if not (periodic or done == run.settings.steps or last or eval_due(run, task, done)):
+    due = eval_due(s, task, done)
+    if not (periodic or done == s.steps or last or due):
         return False
     # the run's last save when a signal asked it to stop: LoRA's merged model too
     final = last or STOPS.signum is not None
@@ -508,18 +510,18 @@ def save_if_due(run, task, done, last=False):
     return True
 
 
-def eval_due(run, task, step, last=False):
+def eval_due(settings, task, step, last=False):
     """Evaluations run before training, every --eval-every steps and at the end (the last step, or
     `last`: a step that ends the run early); --eval-every -1: never."""
-    every = run.settings.eval_every
+    every = settings.eval_every
     periodic = every > 0 and step % every == 0
-    ends = step in (0, run.settings.steps) or last
+    ends = step in (0, settings.steps) or last
     return every >= 0 and len(task.eval) > 0 and (ends or periodic)
 
 
 def evaluate_if_due(run, task, step, last=False):
     """The evaluation of `step` if one is due and not logged yet (a resumed run may have)."""
-    if not eval_due(run, task, step, last) or step in dict(run.evals):
+    if not eval_due(run.settings, task, step, last) or step in dict(run.evals):
         return
     with run.phases.phase("evaluation", step):
         result = evaluation.evaluate_with(

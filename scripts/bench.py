@@ -508,7 +508,7 @@ def loop_flags(a, output_dir):
         *("--lr-scheduler", "constant", "--warmup-steps", 0, "--weight-decay", 0.0),
         *("--max-grad-norm", 1.0, "--dtype", a.dtype, "--device", DEVICE),
         *(["--compile", a.compile] if a.compile else []),
-        *("--eval-every", -1, "--sample-every", 0, "--output-dir", output_dir),
+        *("--eval-every", -1, "--sample-every", 0, "--save-every", 0, "--output-dir", output_dir),
     ]
 
 

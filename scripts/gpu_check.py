@@ -313,12 +313,9 @@ def run_training(args, config_name, tokenizer, timer):
 
 
 def evaluations_due(args, task):
-    """The steps after which train.py evaluates (0: before training): 0, every --eval-every steps
-    and the last; none with --eval-every -1 or without held-out rows."""
-    every, steps = args.eval_every, args.steps
-    if every < 0 or not task.eval:
-        return []
-    return [s for s in range(steps + 1) if s in (0, steps) or (every > 0 and s % every == 0)]
+    """The steps after which train.py evaluates (0: before training), by train.eval_due."""
+    settings = train.Settings.of(args)
+    return [s for s in range(args.steps + 1) if train.eval_due(settings, task, s)]
 
 
 def train_flags(kit, device, output_dir):

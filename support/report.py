@@ -78,9 +78,10 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log_samples(step, samples)
 
-    def close(self):
+    def close(self, failed=False):
+        """failed: the run ended on an error, not a stop it was asked for (the trackers say so)."""
         if self.trackers is not None:
-            self.trackers.close()
+            self.trackers.close(failed)
         self.trackers = None
 
 

@@ -106,8 +106,9 @@ class Trackers:
         """Sampled completions of `step`: [{"prompt", "completion", "reward", "answer"}]."""
         self.each(lambda tracker: tracker.log_samples(step, samples))
 
-    def close(self):
-        self.each(lambda tracker: tracker.close())
+    def close(self, failed=False):
+        """failed: the run ended on an error (W&B marks it failed)."""
+        self.each(lambda tracker: tracker.close(failed))
         self.live = []
 
     def each(self, call):
@@ -171,7 +172,7 @@ class TensorBoard:
         self.writer.add_text("samples", samples_markdown(samples), step)
         self.writer.flush()
 
-    def close(self):
+    def close(self, failed=False):
         self.writer.close()
 
 
@@ -249,8 +250,8 @@ class WandB:
             )
         return False
 
-    def close(self):
-        self.run.finish()
+    def close(self, failed=False):
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def read_run_id(path):

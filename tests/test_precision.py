@@ -494,10 +494,10 @@ def test_cuda_compiled_decode_with_cuda_graphs_equals_the_eager_decode(sure_mode
     )
     settings = sampling.Sampling(temperature=0.0, max_new_tokens=6)
     with sampling.autocast("cuda", torch.bfloat16):
-        eager = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
+        eager = decode.lean_decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
         sampling.compile_model(model)
         for _ in range(3):  # compiles, records the graph, replays it
-            compiled = decode.decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
+            compiled = decode.lean_decode(model, prompts, mask, settings, 2, [demo.EOS], demo.PAD)
     assert torch.equal(compiled, eager)
 
 

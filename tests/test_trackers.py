@@ -299,6 +299,36 @@ def test_wandb_offline_run_holds_every_row_the_flags_and_samples_and_resume_cont
     assert (out / "wandb_run_id").read_text().strip() != run_id
 
 
+def exit_code(wandb_dir):
+    """The exit code W&B recorded for the one offline run under wandb_dir/wandb."""
+    [path] = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    [code] = [
+        r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"
+    ]
+    return code
+
+
+@pytest.mark.slow
+def test_a_run_that_crashes_is_a_failed_wandb_run_and_a_finished_one_is_not(
+    tmp_path, monkeypatch, wandb_offline
+):
+    assert main(tmp_path / "done", "--steps", "1", "--report-to", "wandb") == 0
+    assert exit_code(tmp_path / "done") == 0
+    real, calls = train.grpo.group_advantages, []
+
+    def crash_in_step_2(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("an unexpected crash in step 2")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train.grpo, "group_advantages", crash_in_step_2)
+    with pytest.raises(RuntimeError, match="crash in step 2"):
+        main(tmp_path / "crashed", "--steps", "3", "--report-to", "wandb")
+    # the trackers are closed on the way out (Run.__exit__), W&B's run marked failed
+    assert exit_code(tmp_path / "crashed") == 1
+
+
 # --- rank 0 alone, the missing package, failures
 # --------------------------------------------------------------------------------------------------
 
