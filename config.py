@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from support import trackers
+from support import rundir, trackers
 from support.errors import UserError
 
 
@@ -239,9 +239,10 @@ def build_parser():
 
     g = p.add_argument_group("logging and checkpoints")
     flag(g, "--output-dir", None)(
-        "metrics.jsonl and checkpoint/ go here; if not given, "
-        "runs/<model name>[-addition][-lora]-seed<seed>. A fresh run into a directory holding one "
-        "is refused (see --resume, --overwrite)"
+        "metrics.jsonl and checkpoint/ go here; if not given, a new directory for each run, "
+        "runs/<model name or demo>[-addition][-lora]-<date>-<time> (with --resume: the last run "
+        "of the same model, task, LoRA and seed). A fresh run into a directory holding one is "
+        "refused (see --resume, --overwrite)"
     )
     flag(g, "--save-every", 50, int)(
         "checkpoint every N steps, and always after the last step and before every evaluation "
@@ -257,7 +258,10 @@ def build_parser():
         "field, the flags and the sampled completions (optional packages: pip install tensorboard "
         "/ wandb; docs/logging.md)"
     )
-    switch(g, "--resume")("continue from OUTPUT_DIR/checkpoint")
+    switch(g, "--resume")(
+        "continue from OUTPUT_DIR/checkpoint (without --output-dir: the last run under runs/ "
+        "of the same model, task, LoRA and seed)"
+    )
     switch(g, "--overwrite")(
         "start a fresh run in an --output-dir that holds an earlier run, replacing its "
         "metrics.jsonl and checkpoint (without it, such a run is refused)"
@@ -358,11 +362,8 @@ def parse_args(argv=None):
         )
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    if args.output_dir is None:  # one directory per model, task, LoRA or not, and seed
-        name = "demo" if args.demo else os.path.basename(os.path.normpath(args.model))
-        name += "-addition" if args.task == "addition" else ""
-        name += "-lora" if args.lora_rank else ""
-        args.output_dir = os.path.join("runs", f"{name}-seed{args.seed}")
+    if args.output_dir is None:  # a new directory for each run; --resume: the last one like it
+        args.output_dir = rundir.last_run_like(args) if args.resume else rundir.new_run_dir(args)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UserError(
             f"--output-dir {args.output_dir} is a file, not a directory: pass a directory (it is "

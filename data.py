@@ -48,6 +48,11 @@ class Task:
     response_prefix: str = ""
     # response -> the answer it gives (a string) or None, for maj@k in evaluation; None: no maj@k.
     extract_answer: Callable | None = None
+    # Where the train and the held-out rows came from, in the user's words, for the run's header:
+    # "gsm8k/train.jsonl" (a path as given), "openai/gsm8k:main@test" (a dataset and its split),
+    # "GSM8K train split (downloaded to ~/.cache/grpo/gsm8k)"; "" where none were loaded.
+    train_from: str = ""
+    eval_from: str = ""
 
     def prompt(self, tokenizer, text):
         """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then
@@ -91,6 +96,12 @@ def field_names(rows):
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "grpo", "gsm8k")
 
+
+class DownloadError(RuntimeError):
+    """GSM8K's official split could not be downloaded (no network, say): its message says what was
+    tried; what to pass instead depends on the command (data.load_rows says it)."""
+
+
 # The reference answer after "####", commas removed: an integer or a decimal, maybe negative.
 _GOLD = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
@@ -105,10 +116,7 @@ def _download(split: str) -> str:
         with urllib.request.urlopen(url, timeout=60) as response:
             payload = response.read()
     except OSError as e:  # URLError, HTTPError and socket timeouts are all OSErrors
-        raise RuntimeError(
-            f"could not download GSM8K {split!r} from {url} ({e}). On a machine without network, "
-            f"pass a local copy of {split}.jsonl instead: train.py --data PATH (or load_gsm8k(path=PATH))."
-        ) from e
+        raise DownloadError(f"could not download GSM8K's {split} split from {url} ({e}).") from e
     # Write to a temporary file in the same directory, then rename: an interrupted download never
     # leaves a half-written file in the cache (os.replace is atomic on one file system).
     os.makedirs(CACHE_DIR, exist_ok=True)
@@ -127,9 +135,10 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
     """GSM8K as a list of rows {"prompt": its question, "answer": str}, the answer its final number.
 
     `path` is a local JSONL file in GSM8K's format; without it the official `split` ("train" or
-    "test") is downloaded into CACHE_DIR once and read from there afterwards. The answer is the text
-    after the last "####" with commas removed ("#### 1,234" -> "1234"). A malformed line raises
-    ValueError naming "file:line"; blank lines are skipped; a file with no rows is an error too.
+    "test") is downloaded into CACHE_DIR once and read from there afterwards (DownloadError where it
+    cannot be). The answer is the text after the last "####" with commas removed ("#### 1,234" ->
+    "1234"). A malformed line raises ValueError naming "file:line"; blank lines are skipped; a file
+    with no rows is an error too.
     """
     if path is None:
         if split not in ("train", "test"):
@@ -278,12 +287,15 @@ def addition_task():
     """--task addition: the generated rows in the chat template with no system prompt, scored by the
     completion's last number (rewards.last_number_reward), which is also its answer (maj@k)."""
     train, test = addition_rows()
+    generated = f"generated (--task addition, seed {ADDITION_SEED})"
     return Task(
         train=train,
         eval=test,
         template=functools.partial(chat_prompt, system_prompt=""),
         rewards=rewards.weighted([("correctness", rewards.last_number_reward)], [1.0]),
         extract_answer=rewards.last_number,
+        train_from=generated,
+        eval_from=f"{generated[:-1]}, pairs never trained on)",
     )
 
 
@@ -293,7 +305,8 @@ def task_from_flags(args):
     with --prompt-field or --answer-field, your own rows (as they are, no system prompt unless
     --system-prompt). --data is a JSONL file or a Hugging Face dataset (hf_datasets.parse_source).
     Held-out rows come from --eval-data; for GSM8K without it, from gsm8k_held_out, else the
-    official test split. --task addition: its generated rows (addition_task)."""
+    official test split. --task addition: its generated rows (addition_task). Where the rows came
+    from: the task's train_from and eval_from (rows_from)."""
     if args.task == "addition":
         return addition_task()
     custom = args.prompt_field is not None or args.answer_field is not None
@@ -326,34 +339,70 @@ def task_from_flags(args):
         fields = None
         system = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         prompt = functools.partial(build_prompt, system_prompt=system)
+    # Where GSM8K's official split cannot be downloaded: the error ({error}), then what to pass
+    # instead, for this command. A training run without --data downloads the held-out rows too:
+    # both files, then, beside each other.
+    copy = "{error} Offline, copy that file (on a machine with network)"
+    if args.eval_data is None and need_eval:
+        train_advice = (
+            f"{copy} and test.jsonl from the same folder into one directory here, and pass --data "
+            "DIR/train.jsonl: test.jsonl beside it is evaluated on."
+        )
+    else:
+        train_advice = f"{copy} here and pass --data PATH."
+    # --eval-only evaluates whatever the flags: no --eval-every -1 for it
+    test_advice = f"{copy} here and pass --eval-data PATH" + (
+        "." if args.eval_only else " (--eval-every -1: train without evaluation)."
+    )
+    if args.data is not None:  # say why a run with --data downloads
+        test_advice = "no --eval-data, and no test file beside --data: " + test_advice
+    train, train_from, held_out, eval_from = [], "", [], ""
+    if need_train:
+        train = load_rows("train", args.data, "--data", fields, train_advice, not args.eval_only)
+        train_from = rows_from("train", args.data)
+    if need_eval and (eval_path or not custom):
+        held_out = load_rows("test", eval_path, eval_flag, fields, test_advice, not args.eval_only)
+        eval_from = rows_from("test", eval_path)
     return Task(
-        train=load_rows("train", args.data, "--data", fields) if need_train else [],
-        eval=load_rows("test", eval_path, eval_flag, fields)
-        if need_eval and (eval_path or not custom)
-        else [],
+        train=train,
+        eval=held_out,
         template=prompt,
         rewards=rewards.weighted(rewards.REWARD_FUNCS.items(), [1.0, 1.0]),
         extract_answer=None if custom else rewards.extract_answer,
+        train_from=train_from,
+        eval_from=eval_from,
     )
+
+
+def rows_from(split, path):
+    """Where the rows of `split` that load_rows read from `path` came from, as the user knows it:
+    the path as given, a dataset with the split it read (NAME:CONFIG@SPLIT), or GSM8K's download."""
+    if path is None:
+        cache = CACHE_DIR.replace(os.path.expanduser("~"), "~", 1)
+        return f"GSM8K {split} split (downloaded to {cache})"
+    source = path if isinstance(path, hf_datasets.Source) else hf_datasets.parse_source(path, "")
+    if source is None:
+        return path
+    return source.name(source.split or split) if source.has_splits else source.text
 
 
 def gsm8k_held_out(data):
     """GSM8K's held-out rows when --eval-data is not given: the test split of a --data that has
     splits (a Hub id, a saved DatasetDict, a folder of data files), else `test` beside --data in
     its form (test.jsonl beside a JSONL file, test.parquet beside a Parquet file, test/ beside a
-    saved Dataset); None when there is none."""
+    saved Dataset), named as --data is (relative where it is); None when there is none."""
     source = hf_datasets.parse_source(data, "--data")
     if source is not None and source.has_splits:
         return dataclasses.replace(source, split=None)  # no split named: held-out rows read test
-    path = os.path.abspath(data if source is None else source.location)
+    path = data if source is None else source.location
     if source is None:  # a JSONL file, as before
         beside, there = "test.jsonl", os.path.isfile
     elif source.kind == "saved":  # a directory
         beside, there = "test", os.path.isdir
     else:
         beside, there = "test" + os.path.splitext(path)[1], os.path.isfile
-    beside = os.path.join(os.path.dirname(path), beside)
-    return beside if there(beside) and beside != path else None
+    beside = os.path.join(os.path.dirname(os.path.normpath(path)), beside)
+    return beside if there(beside) and os.path.abspath(beside) != os.path.abspath(path) else None
 
 
 def row_form(fields):
@@ -363,19 +412,24 @@ def row_form(fields):
     return "the --prompt-field (a string) and the --answer-field"
 
 
-def load_rows(split, path, flag, fields=None):
+def load_rows(split, path, flag, fields=None, offline="{error}", can_skip_eval=True):
     """The rows of `path` (a --data/--eval-data value, or a Source) read as GSM8K (its official
     `split` when path is None) or, with `fields` (prompt field, answer field), as your own task's.
     A JSONL file is read by read_jsonl, a Hugging Face dataset by hf_datasets.dataset_records, both
     built record by record. Any problem is a UserError naming the flag, and for a bad row its
-    file:line (a dataset's: its split and row)."""
+    file:line (a dataset's: its split and row). `offline`: the message where GSM8K's split cannot be
+    downloaded, around its {error}: what to do instead, for this command (task_from_flags says it);
+    can_skip_eval: a training run, which a missing test split may tell to turn evaluation off
+    (--eval-every -1), unlike --eval-only."""
     if isinstance(path, hf_datasets.Source) or path is None:
         source = path
     else:
         source = hf_datasets.parse_source(path, flag)
     what = "your task's" if fields is not None else "the GSM8K"
     if source is not None:
-        records = hf_datasets.dataset_records(source, split, flag, fields, row_form(fields))
+        records = hf_datasets.dataset_records(
+            source, split, flag, fields, row_form(fields), can_skip_eval
+        )
         if fields is None:
             build = gsm8k_row
         else:
@@ -400,10 +454,12 @@ def load_rows(split, path, flag, fields=None):
         raise UserError(
             f"could not load {what} {split} data: {e}. Each line of {flag} must be {form}."
         ) from None
-    except (OSError, RuntimeError) as e:  # unreadable file, or no network for the download
-        hint = " (or --eval-every -1 to skip evaluation)" if split == "test" else ""
+    except DownloadError as e:  # no network
+        raise UserError(offline.format(error=e)) from None
+    except OSError as e:  # an unreadable file
         raise UserError(
-            f"could not load {what} {split} data: {e} Pass a local file with {flag} PATH{hint}."
+            f"could not load {what} {split} data: {flag} {path}: {e.strerror or e}. Pass a "
+            "readable file."
         ) from None
 
 

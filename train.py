@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     with build_run(args, task, model, tokenizer, resume_dir, phases) as run:
         s, model, G = run.settings, run.model, run.settings.group_size
         report.print_header(args, model)
+        report.print_data(task, s.eval.limit)
         # Before training (or the evaluation a crash cut short). Signals: support/signals.py.
         with STOPS.at_once():
             evaluate_if_due(run, task, run.start_step)
@@ -353,7 +355,8 @@ def score_or_fail_everywhere(task, rows, rollouts):
         error = e
     if distributed.all_sum([error is not None])[0] > 0:
         raise RewardFailedSomewhere(
-            str(error) if error else "a reward function failed in another process (see its error)"
+            str(error) if error else "a reward function failed in another process (see its error)",
+            own=error is not None,
         )
     return result
 
@@ -782,6 +785,8 @@ def main(argv=None):
         distributed.init(args.device)  # under torchrun: join the process group; alone, nothing
         # saved with a checkpoint: --resume must use as many processes
         args.world_size = distributed.world()
+        # a new run's directory: rank 0's choice, for every rank
+        args.output_dir = distributed.gather_objects(args.output_dir)[0]
         if args.plot is not None:
             return report.curves(args.plot)
         # --eval-only --resume: evaluate the checkpoint's policy
@@ -807,8 +812,10 @@ def main(argv=None):
                     return train(args, task, model, tokenizer, resume_dir)
         return evaluate_only(args, task, model, tokenizer, resume_dir)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        # once under torchrun: rank 0's, and a rank's own error (a reward function's) where it is
+        if distributed.launched_rank() == 0 or getattr(e, "own", False):
+            print(f"error: {e}", file=sys.stderr)
+        exit_every_rank_alike(2)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
@@ -821,12 +828,21 @@ def main(argv=None):
             "--resume to continue from it (without one, --overwrite to start over).",
             file=sys.stderr,
         )
-        raise SystemExit(2) from None
+        exit_every_rank_alike(2)
+
+
+def exit_every_rank_alike(code):
+    """SystemExit(code). Under torchrun, the first rank to exit makes torchrun SIGTERM the others:
+    they ignore it from here on, so every rank prints what it has to and exits with `code`."""
+    if distributed.launched_world() > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(code) from None
 
 
 def evaluate_only(args, task, model, tokenizer, resume_dir):
     """--eval-only: one evaluation of --model, or with --resume of the checkpoint's policy."""
     settings = Settings.of(args, resume_dir)
+    report.print_data(task, settings.eval.limit)
     if resume_dir is not None:
         model = checkpoint_policy(model, args, resume_dir, settings.start)
         print(f"evaluating the policy in {resume_dir}")

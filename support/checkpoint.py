@@ -440,6 +440,21 @@ def checkpoint_step(path):
         return None
 
 
+def saved_flags(path):
+    """The flags a checkpoint was saved with ({name: value}), None when they cannot be read.
+    Memory-mapped, as checkpoint_step."""
+    try:
+        state = torch.load(
+            os.path.join(path, "training_state.pt"),
+            map_location="cpu",
+            weights_only=True,
+            mmap=True,
+        )
+        return state.get("args") if isinstance(state, dict) else None
+    except Exception:
+        return None
+
+
 def free_space(directory):
     """The words "N MiB free there. " for a message about a failed write ("" when it cannot be
     told)."""

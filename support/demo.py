@@ -96,6 +96,8 @@ def setup(seed, warmup_steps, target_accuracy):
         template=lambda tokenizer, question: question,
         rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
         extract_answer=rewards.extract_answer,
+        train_from=f"the demo's {len(problems)} problems",
+        eval_from=f"the demo's {len(problems)} problems (the ones it trains on)",
     )
     return model, tokenizer, task
 

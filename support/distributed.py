@@ -89,6 +89,16 @@ def world():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def launched_rank():
+    """This process's rank as torchrun set it (RANK), before or after init; 0 when alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched_world():
+    """The number of processes torchrun started (WORLD_SIZE), before or after init; 1 alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 

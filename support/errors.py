@@ -10,9 +10,14 @@ class UserError(Exception):
 
 class RewardFailedSomewhere(UserError):
     """A reward error on one rank (under torchrun), raised on every rank at the same point, so that
-    they all save the step's start together instead of waiting for one another."""
+    they all save the step's start together instead of waiting for one another. own: this rank's
+    error (its message is the reward function's), not another's."""
 
     everywhere = True
+
+    def __init__(self, message, own=True):
+        super().__init__(message)
+        self.own = own
 
 
 class WriteFailed(UserError):

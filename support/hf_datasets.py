@@ -97,12 +97,13 @@ def dataset_file_kind(path):
         return "jsonl"
 
 
-def dataset_records(source, split, flag, fields, row_form):
+def dataset_records(source, split, flag, fields, row_form, can_skip_eval=True):
     """(where, record) for each record of a Hugging Face dataset, where = "NAME@SPLIT, row 12": the
     split that source names, else the one of the rows' role (`split`), checked column by column.
     `fields` as data.load_rows takes them (None: GSM8K, whose two columns alone are converted);
-    `row_form`: what each row must hold (data.row_form's text), for messages."""
-    dataset, name = pick_split(open_dataset(source, flag), source, split, flag)
+    `row_form`: what each row must hold (data.row_form's text), for messages; can_skip_eval: a
+    training run, which may turn evaluation off (--eval-only may not)."""
+    dataset, name = pick_split(open_dataset(source, flag), source, split, flag, can_skip_eval)
     check_columns(dataset, name, flag, fields, row_form)
     if len(dataset) == 0:
         raise UserError(f"{flag} {name}: no rows (an empty dataset).")
@@ -143,9 +144,11 @@ def open_dataset(source, flag):
         ) from None
 
 
-def pick_split(loaded, source, split, flag):
+def pick_split(loaded, source, split, flag, can_skip_eval=True):
     """(the Dataset to read, its name for messages): of a DatasetDict, the split that source names,
-    else the one named `split` (the rows' role); a single Dataset as it is."""
+    else the one named `split` (the rows' role); a single Dataset as it is. A missing split is a
+    UserError naming those that exist, and the flag that picks one (can_skip_eval: or, in a
+    training run, --eval-every -1 for no evaluation at all)."""
     if not isinstance(loaded, dict):  # a DatasetDict is a dict of splits
         return loaded, source.name()
     chosen = source.split or split
@@ -157,7 +160,8 @@ def pick_split(loaded, source, split, flag):
     elif flag == "--data" and split == "test":
         hint = (
             "Without --eval-data, GSM8K is evaluated on the 'test' split of --data: pass "
-            f"--eval-data {base}@SPLIT, or --eval-every -1 to skip evaluation."
+            f"--eval-data {base}@SPLIT"
+            + (" (--eval-every -1: train without evaluation)." if can_skip_eval else ".")
         )
     else:
         hint = f"{flag} reads its {chosen!r} split unless one is named: {flag} {base}@SPLIT."

@@ -1,12 +1,17 @@
 """The models of a run: π_θinit loaded by name or directory, the frozen reference π_ref
 (Algorithm 1's lines 1 and 3), and LoRA adapters (peft, optional)."""
 
+import contextlib
 import copy
 import os
 import re
 import time
+import urllib.parse
 
 import torch
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import sampling
@@ -32,25 +37,32 @@ def resolve_model_name(name):
 def load_model(name, trust_remote_code=False, check_config=None):
     """The fp32 causal LM and its tokenizer (left padding, a pad token), or a UserError saying
     what was tried. check_config(config, name): called on its config.json before the weights load
-    (a UserError stops there)."""
+    (a UserError stops there). A Hub id is first asked for once (hub_unreachable): where the Hub
+    cannot be reached, the model loads from the local Hugging Face cache alone, at once, instead of
+    retrying each download, or fails with offline_message."""
     resolved = resolve_model_name(name)
     local = os.path.abspath(os.path.expanduser(name))
     t0 = time.time()
     # minutes for a large model (a first download, then reading the weights): never look hung
     print(f"loading {resolved} ...", flush=True)
+    offline = None if os.path.isdir(local) else hub_unreachable(resolved)
+    kw = dict(trust_remote_code=trust_remote_code, local_files_only=offline is not None)
     try:
-        kw = dict(trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
-        model_config = AutoConfig.from_pretrained(resolved, **kw)
-        if check_config is not None:
-            check_config(model_config, name)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, config=model_config, dtype=torch.float32, **kw
-        )
+        # offline: the cache alone (not every lookup passes local_files_only on: offline mode too)
+        with hub_offline() if offline is not None else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(resolved, **kw)
+            model_config = AutoConfig.from_pretrained(resolved, **kw)
+            if check_config is not None:
+                check_config(model_config, name)
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved, config=model_config, dtype=torch.float32, **kw
+            )
     except UserError:
         raise
     except Exception as e:  # OSError (missing / offline), ValueError (unknown architecture), HFValidationError, ...
         reason = " ".join(str(e).split())[:400]
+        if offline is not None:
+            raise UserError(offline_message(name, resolved, local, offline, reason)) from None
         hub = "" if os.path.isdir(local) else f"; the Hugging Face hub id {resolved!r} ({reason})"
         raise UserError(
             f"could not load model {name!r}. Tried: the local directory {local} "
@@ -65,6 +77,64 @@ def load_model(name, trust_remote_code=False, check_config=None):
         f"loaded {resolved}: {count / 1e9:.2f}B parameters in {time.time() - t0:.0f} s", flush=True
     )
     return model, sampling.prepare_tokenizer(tokenizer)
+
+
+def hub_unreachable(repo_id):
+    """Why the Hugging Face Hub cannot serve `repo_id` (for messages), or None where it answers.
+    One request for its config.json's metadata, without retries (timeout HUB_PROBE_TIMEOUT s):
+    offline, the loaders would otherwise retry every file five times, a minute in all, before
+    failing. HF_HUB_OFFLINE=1 (the Hub library's offline mode): no request at all. A name that is
+    no valid Hub id: None, from_pretrained refuses it at once."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:  # a path, say: no Hub id
+        return None
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    url = hf_hub_url(repo_id, "config.json")  # on HF_ENDPOINT, as every download of the load
+    try:
+        get_hf_file_metadata(url, timeout=HUB_PROBE_TIMEOUT)
+    except HfHubHTTPError:  # the Hub answered (404: no such model, 401: a gated one...)
+        return None
+    except Exception as e:  # no answer: no DNS, a refused connection, a timeout, a proxy's error
+        host = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(url))
+        return f"{host}: {' '.join(str(e).split()) or type(e).__name__}"
+    return None
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """The Hugging Face Hub library's offline mode (HF_HUB_OFFLINE=1, which it reads once, at
+    import) for the block: every request it would make fails at once, and files come from the
+    local cache. transformers asks the same switch (huggingface_hub.is_offline_mode)."""
+    before, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
+# Seconds hub_unreachable waits for the Hub's answer: its own default for metadata requests.
+HUB_PROBE_TIMEOUT = 10
+
+
+def offline_message(name, resolved, local, why, reason):
+    """What a Hub id that could not load with the Hub unreachable (`why`) tried, and the fix.
+    `reason`: the loader's error, from the local cache."""
+    cache = constants.HF_HUB_CACHE.replace(os.path.expanduser("~"), "~", 1)
+    cached = isinstance(try_to_load_from_cache(resolved, "config.json"), str)
+    where = (
+        f"loading it from the local cache ({cache}) failed: {reason}"
+        if cached
+        else f"the model is not in the local cache ({cache})"
+    )
+    return (
+        f"could not load model {name!r}. Tried: the local directory {local} (not found); the "
+        f"Hugging Face Hub id {resolved}, but the Hub cannot be reached ({why}) and {where}. Pass "
+        "a directory holding the model (config.json, the tokenizer and the weights): --model "
+        f"/path/to/dir (where there is network: hf download {resolved} --local-dir DIR, then "
+        "copy DIR here), or run where the Hub can be reached."
+    )
 
 
 def check_context(max_new_tokens, max_prompt_length, config, name):

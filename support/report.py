@@ -329,6 +329,17 @@ def print_header(args, model):
     )
 
 
+def print_data(task, eval_limit=None):
+    """The run's second line: the rows it trains and evaluates on, and where they came from."""
+    held_out = len(task.eval[:eval_limit])
+    used = f" (the first {held_out} of {len(task.eval)})" if held_out < len(task.eval) else ""
+    parts = [f"train {len(task.train)} rows from {task.train_from}"] if task.train else []
+    parts += [
+        f"held-out {held_out} rows{used} from {task.eval_from}" if task.eval else "no held-out"
+    ]
+    print("data: " + "; ".join(parts), flush=True)
+
+
 def format_seconds(s):
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.0f}s"
 

@@ -1,5 +1,9 @@
-"""The output directory of a run: one run in it, and one process at a time (train.main claims it
-before the model loads).
+"""The output directory of a run: where a run goes without --output-dir, one run in it, and one
+process at a time (train.main claims it before the model loads).
+
+Without --output-dir each run gets a new directory, RUNS/<model or demo>-<date>-<time> (a suffix
+when two start in the same second), and --resume continues the last run like it (new_run_dir,
+last_run_like). Checkpoints accumulate there: remove a run's directory when done with it.
 
 A fresh run into a directory that holds a run is refused (or, with --overwrite, the earlier run's
 files are removed first); a live run holds OUTPUT_DIR/.lock, so a second process is refused while it
@@ -18,7 +22,7 @@ import sys
 import time
 
 from support import distributed
-from support.checkpoint import checkpoint_step
+from support.checkpoint import checkpoint_step, find_last, saved_flags
 from support.errors import UserError, failure
 
 LOCK = ".lock"
@@ -35,6 +39,58 @@ RUN_FILES = (
     "metrics.jsonl.tmp",
     "metrics.jsonl",
 )
+
+
+RUNS = "runs"  # where runs go without --output-dir, relative to the working directory
+# The flags that make two runs "alike": --resume without --output-dir continues the last such run.
+SAME_RUN = ("demo", "model", "task", "lora_rank", "seed")
+
+
+def run_name(args):
+    """The start of a run's default directory name: demo or the model's name, then -addition for
+    --task addition, -lora with --lora-rank."""
+    name = "demo" if args.demo else os.path.basename(os.path.normpath(args.model))
+    return (
+        name
+        + ("-addition" if args.task == "addition" else "")
+        + ("-lora" if args.lora_rank else "")
+    )
+
+
+def new_run_dir(args, now=None):
+    """RUNS/<run_name>-<YYYYmmdd-HHMMSS>: a directory that does not exist yet (-2, -3, ... after
+    the time when it does). Not created here: train.main claims it. Under torchrun every rank
+    computes one and rank 0's is used (train.main)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    base = os.path.join(RUNS, f"{run_name(args)}-{stamp}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def last_run_like(args):
+    """--resume without --output-dir: the directory under RUNS whose last checkpoint is the newest
+    among those whose flags match this run's in SAME_RUN, said on stdout; a UserError when there is
+    none."""
+    found = []
+    for name in sorted(os.listdir(RUNS)) if os.path.isdir(RUNS) else []:
+        path = os.path.join(RUNS, name)
+        last = find_last(path, quiet=True) if os.path.isdir(path) else None
+        flags = saved_flags(last) if last is not None else None
+        if flags is not None and all(flags.get(k) == getattr(args, k) for k in SAME_RUN):
+            found.append((os.path.getmtime(os.path.join(last, "training_state.pt")), path))
+    if not found:
+        like = f"{run_name(args)}, seed {args.seed}"
+        raise UserError(
+            f"--resume: no run like this one ({like}) with a checkpoint in {RUNS}/. Pass the "
+            "--output-dir of the run to continue, or drop --resume to start a new one."
+        )
+    path = max(found)[1]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--resume: continuing {path}, the last run of {run_name(args)} with these flags")
+    return path
 
 
 @contextlib.contextmanager

@@ -66,8 +66,8 @@ def step_of(path):
 def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_naming_it_before_the_model_loads(
     tmp_path, monkeypatch, capsys
 ):
-    """The same command typed twice (the default --output-dir is runs/<model>-seed<seed>) used to
-    truncate the first run's metrics.jsonl at start and replace its checkpoint at the first save."""
+    """The same command typed twice into one --output-dir used to truncate the first run's
+    metrics.jsonl at start and replace its checkpoint at the first save."""
     run = tmp_path / "run"
     assert run_main(run, "--steps", "2")[0] == 0
     before = snapshot(run)

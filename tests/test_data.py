@@ -72,15 +72,76 @@ def test_load_gsm8k_empty_file_is_an_error(tmp_path):
         load_gsm8k(path=write(tmp_path, ""))
 
 
-def test_load_gsm8k_without_network_says_to_pass_data_path(tmp_path, monkeypatch):
-    def no_network(*args, **kwargs):
+def no_network(tmp_path, monkeypatch):
+    """GSM8K's download fails as it does offline (an empty cache under tmp_path)."""
+
+    def unreachable(*args, **kwargs):
         raise urllib.error.URLError("no route to host")
 
     monkeypatch.setattr(data, "CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
-    with pytest.raises(RuntimeError, match="--data PATH"):
+    monkeypatch.setattr(data.urllib.request, "urlopen", unreachable)
+
+
+def test_load_gsm8k_without_network_says_what_it_tried(tmp_path, monkeypatch):
+    no_network(tmp_path, monkeypatch)
+    with pytest.raises(data.DownloadError) as error:
         load_gsm8k("train")
+    assert str(error.value) == (
+        f"could not download GSM8K's train split from {data.GSM8K_URL.format(split='train')} "
+        "(<urlopen error no route to host>)."
+    )
     assert not os.path.exists(tmp_path / "cache" / "train.jsonl")  # nothing half-written is cached
+
+
+def offline_error(capsys, *argv):
+    """What train.main says, offline, for these flags: its one paragraph, after "error: "."""
+    with pytest.raises(SystemExit) as stop:
+        train.main([*CPU, *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err.removeprefix("error: ").strip()
+
+
+def test_offline_each_command_gets_one_advice_that_fits_it(tmp_path, monkeypatch, capsys):
+    # Offline, GSM8K's download fails: the message says what was tried, then the one thing to pass
+    # instead for the command at hand, naming flags only (no function of data.py).
+    no_network(tmp_path, monkeypatch)
+
+    def tried(split):
+        url, error = data.GSM8K_URL.format(split=split), "<urlopen error no route to host>"
+        return f"could not download GSM8K's {split} split from {url} ({error})."
+
+    copy = "Offline, copy that file (on a machine with network)"
+    out = ["--output-dir", str(tmp_path / "run")]
+    # (a) a training run without --data: train.jsonl, with test.jsonl beside it for evaluation
+    assert offline_error(capsys, *out) == (
+        f"{tried('train')} {copy} and test.jsonl from the same folder into one directory "
+        "here, and pass --data DIR/train.jsonl: test.jsonl beside it is evaluated on."
+    )
+    # ... and without evaluation, train.jsonl alone
+    assert offline_error(capsys, *out, "--eval-every", "-1") == (
+        f"{tried('train')} {copy} here and pass --data PATH."
+    )
+    # (b) --eval-only without --data or --eval-data: the test split, with --eval-data (not --data,
+    # and not --eval-every -1, which means nothing to --eval-only)
+    eval_only = f"{tried('test')} {copy} here and pass --eval-data PATH."
+    assert offline_error(capsys, "--eval-only", "--eval-limit", "200", *out) == eval_only
+    # ... with a --data that has no test.jsonl beside it: why it downloaded, then the same advice
+    gsm8k = write_gsm8k(tmp_path / "train.jsonl")
+    beside = "no --eval-data, and no test file beside --data: "
+    assert offline_error(capsys, "--eval-only", "--data", gsm8k, *out) == beside + eval_only
+    # (c) a training run whose held-out rows cannot be found: no --eval-data, no test.jsonl beside
+    # --data, and no network for GSM8K's own
+    assert offline_error(capsys, "--data", gsm8k, *out) == (
+        f"{beside}{tried('test')} {copy} here and pass --eval-data PATH (--eval-every -1: train "
+        "without evaluation)."
+    )
+    # ... or an --eval-data that does not exist: one advice, for a training run and --eval-only
+    missing = str(tmp_path / "missing.jsonl")
+    for argv in (["--data", gsm8k], ["--eval-only"]):
+        message = offline_error(capsys, *argv, "--eval-data", missing, *out)
+        assert message.startswith(f"--eval-data {missing}: no such file or directory. Pass a JSONL")
 
 
 def test_load_gsm8k_downloads_once_then_reuses_the_cache(tmp_path, monkeypatch):
@@ -315,3 +376,52 @@ def test_task_addition_builds_its_task_and_refuses_a_data_file(tmp_path):
     assert task.prompt(demo.word_tokenizer(demo.WORDS), "What is 34 + 22?") == "What is 34 + 22?\n"
     with pytest.raises(config.UserError, match="--task addition generates its own rows"):
         config.parse_args(["--task", "addition", "--data", str(tmp_path / "x.jsonl")])
+
+
+# --- where a run's rows came from: Task.train_from and Task.eval_from, for the run's header -----
+
+
+def test_a_task_says_where_its_rows_came_from_in_the_users_words(tmp_path, monkeypatch, capsys):
+    # your own JSONL, and held-out rows from --eval-data: the paths as given
+    (tmp_path / "gsm8k").mkdir()
+    monkeypatch.chdir(tmp_path)
+    own = own_task_argv(tmp_path, "--eval-data", "held_out.jsonl", "--eval-every", "0")
+    write_rows(tmp_path / "held_out.jsonl", [{"prompt": "9 + 1 =", "answer": "10"}])
+    task = data.task_from_flags(config.parse_args(own))
+    assert (task.train_from, task.eval_from) == (str(tmp_path / "my.jsonl"), "held_out.jsonl")
+    # a GSM8K-style file with test.jsonl beside it: both named as --data was, relative here
+    write_gsm8k(tmp_path / "gsm8k" / "train.jsonl")
+    write_gsm8k(tmp_path / "gsm8k" / "test.jsonl", n=2)
+    gsm8k = [*CPU, "--data", "gsm8k/train.jsonl"]
+    task = data.task_from_flags(config.parse_args(gsm8k))
+    assert (len(task.train), len(task.eval)) == (6, 2)
+    assert (task.train_from, task.eval_from) == ("gsm8k/train.jsonl", "gsm8k/test.jsonl")
+    # rows not loaded: nothing to name (no evaluation; --eval-only trains on nothing)
+    task = data.task_from_flags(config.parse_args([*gsm8k, "--eval-every", "-1"]))
+    assert (task.train_from, task.eval_from) == ("gsm8k/train.jsonl", "")
+    task = data.task_from_flags(config.parse_args([*gsm8k, "--eval-only"]))
+    assert (task.train, task.train_from, task.eval_from) == ([], "", "gsm8k/test.jsonl")
+    # GSM8K's own splits: downloaded to the cache, which the header names with ~
+    assert data.rows_from("train", None) == "GSM8K train split (downloaded to ~/.cache/grpo/gsm8k)"
+    monkeypatch.setattr(data, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(
+        data.urllib.request,
+        "urlopen",
+        lambda url, timeout: io.BytesIO(b'{"question": "q", "answer": "#### 1"}\n'),
+    )
+    task = data.task_from_flags(config.parse_args([*CPU, "--eval-only"]))
+    assert task.eval_from == f"GSM8K test split (downloaded to {tmp_path / 'cache'})"
+    # the addition task: generated; the demo: its 100 problems, trained and measured on
+    task = data.task_from_flags(config.parse_args(["--task", "addition", "--device", "cpu"]))
+    assert (task.train_from, task.eval_from) == (
+        "generated (--task addition, seed 0)",
+        "generated (--task addition, seed 0, pairs never trained on)",
+    )
+    task = demo.setup(0, 0, 0.0)[2]
+    assert (task.train_from, task.eval_from) == (
+        "the demo's 100 problems",
+        "the demo's 100 problems (the ones it trains on)",
+    )
+    # train.py's own additions to the task (its rewards, the response prefix) keep them
+    task = train.load_task(config.parse_args(gsm8k))
+    assert (task.train_from, task.eval_from) == ("gsm8k/train.jsonl", "gsm8k/test.jsonl")

@@ -105,6 +105,7 @@ def test_save_to_disk_directories_a_dataset_and_a_datasetdict_with_splits(hf, tm
     # --eval-data reads test unless a split is named
     evaluated = task("--data", both, "--eval-data", both, "--eval-every", "0", *MAPPING)
     assert (evaluated.train, evaluated.eval) == (OWN_ROWS, held_out)
+    assert (evaluated.train_from, evaluated.eval_from) == (f"{both}@train", f"{both}@test")
     on_train = task("--data", both, "--eval-data", both + "@train", "--eval-every", "0", *MAPPING)
     assert on_train.eval == OWN_ROWS
 
@@ -180,6 +181,11 @@ def test_a_hub_id_is_loaded_with_its_config_and_gsm8k_is_evaluated_on_its_test_s
     # its test split, as test.jsonl beside a JSONL file is
     assert [r["answer"] for r in gsm8k.eval] == ["52", "53"]
     assert calls == [("openai/gsm8k", "main")] * 2
+    # where the rows came from, for the run's header: the source as given, and the split read
+    assert (gsm8k.train_from, gsm8k.eval_from) == (
+        "openai/gsm8k:main@train",
+        "openai/gsm8k:main@test",
+    )
     # your own task on a Hub id: the mapping applies; held-out rows only when asked for
     mine = task("--data", "openai/gsm8k:main", "--prompt-field", "question", "--eval-every", "0")
     assert mine.train[0]["answer"] == "0 + 2 = 2\n#### 2" and mine.eval == []
@@ -208,8 +214,12 @@ def test_a_missing_split_names_the_splits_that_exist(hf, tmp_path):
     no_test = save_splits(hf, tmp_path / "no-test", **splits)
     assert refused("--data", no_test) == (
         f"--data {no_test}: no split 'test' (its splits: train, validation). Without --eval-data, "
-        f"GSM8K is evaluated on the 'test' split of --data: pass --eval-data {no_test}@SPLIT, or "
-        "--eval-every -1 to skip evaluation."
+        f"GSM8K is evaluated on the 'test' split of --data: pass --eval-data {no_test}@SPLIT "
+        "(--eval-every -1: train without evaluation)."
+    )
+    # --eval-only evaluates, whatever --eval-every says: the one way out is another split
+    assert refused("--data", no_test, "--eval-only").endswith(
+        f"of --data: pass --eval-data {no_test}@SPLIT."
     )
     assert len(task("--data", no_test).train) == 2  # no evaluation: no test split needed
 

@@ -1,18 +1,24 @@
 """--report-to: tiny demo runs (train.main, or helpers.run_tiny where a crash is needed) read back
-from what each tracker wrote, with no network. TensorBoard: its event files through TensorBoard's
-own EventAccumulator (every metrics.jsonl field at its step with the same value, the flags, the
-samples; resume continuing the step axis, what a crash logged past its checkpoint purged;
---overwrite starting afresh). W&B in offline mode: its run file (history, summary, config), the
-samples table, the run a resume continues. Then rank 0 alone reporting, the missing package said
-before any model loads, and a tracker failing to start or mid-run.
+from what each tracker wrote, with no network. TensorBoard: its event files through both of
+TensorBoard's loaders, the classic EventAccumulator and the default fast one (the Rust data server
+`tensorboard --logdir` starts), each listing every metrics.jsonl field as a scalar at its step with
+its value as a float32 (the flags and the samples as text; resume continuing the step axis, what a
+crash logged past its checkpoint purged; --overwrite starting afresh). W&B in offline mode: its run
+file (history, summary, config), the samples table, the run a resume continues. Then rank 0 alone
+reporting, the missing package said before any model loads, and a tracker failing to start or
+mid-run.
 """
 
 import glob
 import json
+import math
 import os
+import shutil
 import struct
 import sys
+import time
 
+import numpy as np
 import pytest
 
 import config
@@ -56,8 +62,10 @@ def rows_by_step(out_dir):
 
 
 def tensorboard_events(log_dir):
-    """{tag: [(step, value)]} of the event files in log_dir as TensorBoard's server reads them
-    (its plugin event accumulator: restarts purged): numbers as floats, texts as strings."""
+    """{tag: [(step, value)]} of the event files in log_dir as TensorBoard's Python loader
+    (--load_fast=false) reads them (its plugin event accumulator: restarts purged): numbers as
+    floats, texts as strings. The texts are read here; the scalars through both loaders
+    (scalars_by_loader)."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
@@ -70,6 +78,107 @@ def tensorboard_events(log_dir):
             value = value.item().decode() if value.dtype == object else float(value)
             out.setdefault(tag, []).append((event.step, value))
     return out
+
+
+def classic_scalars(log_dir):
+    """{tag: [(step, value)]} of the scalars in log_dir as TensorBoard's classic EventAccumulator
+    reads them (Tags()["scalars"], Scalars(tag); restarts purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    return {
+        tag: [(event.step, event.value) for event in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+    }
+
+
+def fast_loader_scalars(log_dir, tags, timeout=30):
+    """{tag: [(step, value)]} of the scalars in log_dir (NaN as "nan": comparable) as `tensorboard
+    --logdir` shows them with its default settings (--load_fast=auto): TensorBoard's own ingester
+    starts its Rust data server (the tensorboard_data_server binary) on log_dir, loading it once,
+    and the tags its data provider lists (list_scalars) are read (read_scalars). The server loads
+    in the background: polled until it lists `tags` and two reads agree, `timeout` seconds at most
+    (then what it shows is returned, for the test's assertion to say). A server that cannot start
+    here skips the test, saying why."""
+    from tensorboard import context
+    from tensorboard.data import server_ingester
+    from tensorboard.util import grpc_util
+
+    # no binary for this platform, one that exits or never answers, one it cannot execute (OSError)
+    cannot_start = (
+        server_ingester.NoDataServerError,
+        server_ingester.DataServerStartupError,
+        OSError,
+    )
+    try:
+        ingester = server_ingester.SubprocessServerDataIngester(
+            server_ingester.get_server_binary(),
+            str(log_dir),
+            reload_interval=0,  # load once: the files are complete
+            channel_creds_type=grpc_util.ChannelCredsType.LOCAL,
+            samples_per_plugin={"scalars": 0},  # 0: every point, none downsampled
+        )
+        ingester.start()
+    except cannot_start as e:
+        pytest.skip(
+            "TensorBoard's default loader (its Rust data server) cannot run here, so what it shows "
+            f"is not checked: {type(e).__name__}: {e}"
+        )
+    provider, ctx = ingester.data_provider, context.RequestContext()
+    try:
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            listed = provider.list_scalars(ctx, experiment_id="", plugin_name="scalars")
+            read = provider.read_scalars(
+                ctx, experiment_id="", plugin_name="scalars", downsample=10**6
+            )
+            shown = {  # NaN as "nan": equal to itself, so that two reads can agree
+                run: comparable(
+                    {tag: [(p.step, p.value) for p in read[run][tag]] for tag in run_tags}
+                )
+                for run, run_tags in listed.items()
+            }
+            settled = shown == last and set(tags) <= set().union(*shown.values())
+            if settled or time.monotonic() > deadline:
+                break
+            last = shown
+            time.sleep(0.1)
+    finally:
+        # the server exits when its stdin closes (--die-after-stdin), a pipe the ingester keeps
+        ingester._stdin_handle.close()
+    assert len(shown) == 1, f"one run (the event files of log_dir itself), not {list(shown)}"
+    [scalars] = shown.values()
+    return scalars
+
+
+def scalars_by_loader(log_dir, tags):
+    """{"classic": ..., "fast": ...}: the scalars of log_dir as each of TensorBoard's loaders reads
+    them (classic_scalars, fast_loader_scalars), the values as written_as_float32 gives them."""
+    classic = classic_scalars(log_dir)
+    fast = fast_loader_scalars(log_dir, tags)
+    return {"classic": comparable(classic), "fast": fast}
+
+
+def written_as_float32(points_by_tag):
+    """{tag: [(step, value)]} with each value as TensorBoard stores it: the float32 nearest to it
+    (a simple_value). That is what each loader must give back exactly; it is within a relative
+    2**-24 (6e-8) of the metrics.jsonl value, integers exact up to 2**24. NaN as the string "nan",
+    so that NaN compares equal to NaN."""
+    return comparable(
+        {
+            tag: [(step, float(np.float32(float(value)))) for step, value in points]
+            for tag, points in points_by_tag.items()
+        }
+    )
+
+
+def comparable(points_by_tag):
+    """points_by_tag with NaN values as the string "nan" (equal to itself)."""
+    return {
+        tag: [(step, "nan" if math.isnan(value) else value) for step, value in points]
+        for tag, points in points_by_tag.items()
+    }
 
 
 def uncode(markdown):
@@ -87,14 +196,18 @@ def test_tensorboard_holds_every_metrics_field_at_its_step_the_flags_and_each_gr
     printed = capsys.readouterr().out
     events = tensorboard_events(out / "tensorboard")
 
-    # every field of every row, under its own name, at its step, the very value (doubles)
+    # every field of every row (all numbers here), under its own name, at its step, as a scalar
+    # that TensorBoard's classic loader lists and reads with the row's value as a float32
     expected = {}
     for step, row in rows_by_step(out).items():
         for name, value in row.items():
+            assert isinstance(value, (int, float)), name
             expected.setdefault(name, []).append((step, value))
-    assert {name: events[name] for name in expected} == expected
+    expected = written_as_float32(expected)
+    assert comparable(classic_scalars(out / "tensorboard")) == expected
     assert set(events) == set(expected) | {"flags/text_summary", "samples/text_summary"}
-    assert [step for step, _ in events["eval/reward"]] == [0, 3]
+    assert [step for step, _ in expected["eval/reward"]] == [0, 3]
+    first_run = shutil.copytree(out / "tensorboard", tmp_path / "first-run")  # for the fast loader
 
     # the run's flags, as its checkpoint saved them
     [(step, text)] = events["flags/text_summary"]
@@ -112,9 +225,15 @@ def test_tensorboard_holds_every_metrics_field_at_its_step_the_flags_and_each_gr
     # --overwrite: a fresh run, fresh events (the earlier run's are gone)
     assert main(out, "--overwrite", "--report-to", "tensorboard") == 0
     assert len(os.listdir(out / "tensorboard")) == 1
-    assert tensorboard_events(out / "tensorboard")["reward"] == [
-        (1, read_metrics(out)[0]["reward"])
-    ]
+    [row] = read_metrics(out)
+    fresh = written_as_float32(
+        {name: [(1, value)] for name, value in row.items() if name != "step"}
+    )
+    assert scalars_by_loader(out / "tensorboard", fresh) == {"classic": fresh, "fast": fresh}
+
+    # the first run's scalars as `tensorboard --logdir` shows them by default (its fast loader):
+    # the same tags, steps and float32 values
+    assert fast_loader_scalars(first_run, expected) == expected
 
 
 def test_tensorboard_keeps_text_fields_as_text_and_shows_any_completion_as_written(tmp_path):
@@ -128,9 +247,12 @@ def test_tensorboard_keeps_text_fields_as_text_and_shows_any_completion_as_writt
     tracker.close()
     events = tensorboard_events(tmp_path / "run" / "tensorboard")
     assert events["skip_reason/text_summary"] == [(1, "non-finite loss")]
-    assert (
-        events["skipped_nonfinite"] == [(1, 1.0)] and events["loss"][0][1] != events["loss"][0][1]
-    )
+    # the numbers are scalars, both loaders showing them (NaN as NaN); the text is no scalar
+    expected = {"loss": [(1, "nan")], "skipped_nonfinite": [(1, 1.0)]}
+    assert scalars_by_loader(tmp_path / "run" / "tensorboard", expected) == {
+        "classic": expected,
+        "fast": expected,
+    }
     [(_, text)] = events["samples/text_summary"]
     blocks = text.split("\n\n")[1::2]  # the prompt's code block, then each completion's
     assert [uncode(b) for b in blocks] == ["q", "(empty)", *odd[1:]]
@@ -162,18 +284,24 @@ def test_resume_continues_the_tensorboard_step_axis_and_purges_what_a_crash_logg
     # logged: steps 1 to 3; saved: step 2
     assert [row["step"] for row in read_metrics(out)] == [1, 2, 3]
     crashed_step_3 = read_metrics(out)[2]
-    assert [step for step, _ in tensorboard_events(out / "tensorboard")["reward"]] == [1, 2, 3]
+    assert [step for step, _ in classic_scalars(out / "tensorboard")["reward"]] == [1, 2, 3]
 
     monkeypatch.setattr(rewards, "score", real_score)
     run_tiny(out, *argv, "--report-to", "tensorboard", "--resume")
     events = tensorboard_events(out / "tensorboard")
     rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    # each step once: the crashed run's step 3 purged, the resumed run's in its place
-    for name in rows[0]:
-        if name != "step":
-            assert events[name] == [(row["step"], row[name]) for row in rows], name
-    assert events["step_time"][2] != (3, crashed_step_3["step_time"])
+    # each step once in both loaders: the crashed run's step 3 purged, the resumed run's in its
+    # place (step_time differs between the two)
+    expected = written_as_float32(
+        {name: [(row["step"], row[name]) for row in rows] for name in rows[0] if name != "step"}
+    )
+    crashed = written_as_float32({"step_time": [(3, crashed_step_3["step_time"])]})
+    assert expected["step_time"][2] != crashed["step_time"][0]
+    assert scalars_by_loader(out / "tensorboard", expected) == {
+        "classic": expected,
+        "fast": expected,
+    }
     assert [step for step, _ in events["samples/text_summary"]] == [1, 2, 3, 4]
     # each session's flags at the step it started from
     assert [step for step, _ in events["flags/text_summary"]] == [0, 2]
@@ -407,4 +535,4 @@ def test_a_tracker_failing_mid_run_is_said_once_and_the_training_goes_on(
     assert calls == [1, 2]  # dropped after its failure
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
     assert checkpoint.load_state(checkpoint.find_last(str(tmp_path / "run")))["step"] == 3
-    assert [s for s, _ in tensorboard_events(tmp_path / "run" / "tensorboard")["reward"]] == [1]
+    assert [s for s, _ in classic_scalars(tmp_path / "run" / "tensorboard")["reward"]] == [1]

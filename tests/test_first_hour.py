@@ -1,0 +1,134 @@
+"""A newcomer's first hour: the README's --demo commands run as typed, in the order printed, in one
+working directory; runs without --output-dir get a directory each, and --resume without it finds the
+last run like it.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import config
+from helpers import ROOT, torchrun_env
+from support import rundir
+
+SHORT = ["--steps", "2", "--demo-warmup-steps", "10"]  # each command's run, kept short
+
+
+def readme_demo_commands():
+    """Every command in the README's code blocks that runs `train.py --demo`, in order, as typed:
+    the part after `pip install ... &&`, without the trailing comment."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    commands = []
+    for line in (line for block in blocks for line in block.splitlines()):
+        command = line.split(" #")[0].split("&&")[-1].strip()
+        if "train.py --demo" in command:
+            commands.append(shlex.split(command))
+    return commands
+
+
+def as_run_here(command):
+    """A README command run from another working directory: train.py by its path in the
+    repository, python as this interpreter, torchrun as its module."""
+    program, rest = (
+        command[0],
+        [os.path.join(ROOT, a) if a == "train.py" else a for a in command[1:]],
+    )
+    if program == "python":
+        return [sys.executable, *rest]
+    if program == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *rest]
+    raise AssertionError(f"a README --demo command starts with {program}")
+
+
+def test_the_readme_has_its_demo_commands_where_the_walk_expects_them():
+    commands = readme_demo_commands()
+    assert [c[0] for c in commands] == ["python", "python", "torchrun"]
+    assert commands[0] == ["python", "train.py", "--demo"]  # the quickstart's, first
+
+
+@pytest.mark.slow
+def test_every_readme_demo_command_runs_as_typed_in_order_in_one_directory(tmp_path):
+    # Before: the second command into the quickstart's fixed runs/demo-seed42 was refused (exit 2).
+    env = {**torchrun_env(), "OMP_NUM_THREADS": "1"}
+    for command in readme_demo_commands():
+        done = subprocess.run(
+            as_run_here(command) + SHORT,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    runs = sorted(os.listdir(tmp_path / "runs"))
+    assert len(runs) == 3 and all(re.fullmatch(r"demo(-lora)?-\d{8}-\d{6}(-\d+)?", r) for r in runs)
+
+
+def test_a_new_run_gets_a_new_directory_and_a_suffix_when_the_second_is_taken(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    args = config.parse_args(["--demo", "--device", "cpu"])
+    assert re.fullmatch(r"runs/demo-\d{8}-\d{6}", args.output_dir)
+    now = 1764060000.0  # any fixed time: the name is the local date and time of it
+    first = rundir.new_run_dir(args, now)
+    os.makedirs(first)
+    second = rundir.new_run_dir(args, now)
+    os.makedirs(second)
+    assert second == first + "-2" and rundir.new_run_dir(args, now) == first + "-3"
+    lora = config.parse_args(["--task", "addition", "--lora-rank", "4", "--model", "org/Name"])
+    assert re.fullmatch(r"runs/Name-addition-lora-\d{8}-\d{6}", lora.output_dir)
+
+
+@pytest.mark.slow
+def test_resume_without_output_dir_continues_the_last_run_like_this_one(
+    tmp_path, monkeypatch, capsys
+):
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    demo = ["--demo", "--device", "cpu", "--eval-every", "-1", *SHORT]
+    train.main(demo)
+    train.main([*demo, "--seed", "7"])  # another seed: not like the runs below
+    train.main(demo)
+    first, other, last = sorted(os.listdir("runs"))  # names sort by time (one second apart or -2)
+    capsys.readouterr()
+    train.main([*demo, "--resume", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert f"--resume: continuing runs/{last}, the last run of demo with these flags" in out
+    assert "resumed from" in out and f"output runs/{last}" in out
+    # the header's second line: what the run trains and evaluates on
+    assert (
+        "data: train 100 rows from the demo's 100 problems; held-out 100 rows from the demo's 100 "
+        "problems (the ones it trains on)\n"
+    ) in out
+    with pytest.raises(SystemExit) as info:
+        train.main([*demo, "--resume", "--seed", "8"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: --resume: no run like this one (demo, seed 8) with a checkpoint in runs/. Pass the "
+        "--output-dir of the run to continue, or drop --resume to start a new one.\n"
+    )
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_user_error_is_said_once_and_every_rank_exits_with_2(tmp_path):
+    # Before: one paragraph per rank, and the rank torchrun stopped first exited with -15 (SIGTERM).
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [os.path.join(ROOT, "train.py"), "--demo", "--data", "rows.jsonl"],
+        cwd=tmp_path,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("error: --demo brings its own task; drop --data") == 1
+    # torchrun's own report: each rank's exit code
+    assert sorted(re.findall(r"exitcode\s+: (-?\d+)", done.stderr)) == ["2", "2"]
