@@ -143,7 +143,14 @@ def build_parser():
     )
     flag(g, "--reward-timeout", 600.0, float, metavar="SECONDS")(
         "a reward function (or reward model) that takes longer than this on one step's batch stops "
-        "the run as a reward error does (checkpoint saved, exit code 2); 0: no limit"
+        "the run as a reward error does (checkpoint saved, exit code 2); 0: no limit. Functions "
+        "loaded by --reward-fn/--extract-answer MODULE:FUNCTION run in a worker process, killed "
+        "past it"
+    )
+    flag(g, "--reward-memory", 32.0, float, metavar="GB")(
+        "the address space (GiB) of the worker process that runs --reward-fn and "
+        "--extract-answer MODULE:FUNCTION: an allocation beyond it is a MemoryError there, which "
+        "stops the run as a reward error does; 0: no limit"
     )
 
     g = p.add_argument_group("sampling")
@@ -387,6 +394,7 @@ NUMBER_RANGES = [
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
+    ("reward_memory", lambda v: v >= 0, ">= 0 GiB (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 SEED_LIMIT = 2**32  # numpy's seeds (transformers.set_seed seeds numpy too)
@@ -442,6 +450,10 @@ def check(args):
         ("--eval-seed", args.eval_seed, 0),
         ("--warmup-steps", args.warmup_steps, 0),
         ("--top-k", args.top_k, 0),
+        ("--eval-every", args.eval_every, -1),
+        ("--save-every", args.save_every, 0),
+        ("--sample-every", args.sample_every, 0),
+        ("--demo-warmup-steps", args.demo_warmup_steps, 0),
     ]:
         if value is not None and value < low:
             raise UserError(f"{option} must be at least {low}, got {value}.")

@@ -435,7 +435,14 @@ def load_rows(split, path, flag, fields=None, offline="{error}", can_skip_eval=T
         else:
             build = functools.partial(own_row, prompt_field=fields[0], answer_field=fields[1])
         try:
-            return [build(where, record) for where, record in records]
+            rows = [build(where, record) for where, record in records]
+            if fields is not None and all(row["answer"] is None for row in rows):
+                # a CSV's empty cells come as None: as a JSONL line without the answer field
+                name = records[0][0].rsplit(", row ", 1)[0]
+                raise ValueError(
+                    f"{name}: the answer column {fields[1]!r} is empty in every row (no answer field)"
+                )
+            return rows
         except ValueError as e:  # "gsm8k@train, row 12: answer has no '####' final-answer marker"
             raise UserError(
                 f"could not load {what} {split} data: {e}. Each row of {flag} must have "

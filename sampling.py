@@ -181,7 +181,7 @@ def token_logprobs(
                 position_ids[:, p:-1],
                 c - 1,
                 use_cache=True,
-                past_key_values=cache,
+                cache=cache,
             )
             rest = _logprobs(rest, head, targets[:, 1:], temperature, chunk_size, entropy)
             logps, entropies = (torch.cat(pair, dim=1) for pair in zip(first, rest))
@@ -364,23 +364,25 @@ def _features(
     position_ids,
     num_positions,
     use_cache=False,
-    past_key_values=None,
+    cache=None,
 ):
     """Run the model; return (features of the last num_positions positions, plain lm-head or None,
-    cache).
+    cache). The cache goes in and comes out under the name this transformers gives it
+    (decode.cache_keyword).
 
     For plain-head models the features are final hidden states [N, k, H] (the head is applied chunk
     by chunk later); otherwise they are logits [N, k, V], asked for with logits_to_keep so no more
     are computed.
     """
     head = _plain_linear_head(model)
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-    )
+    key = decode.cache_keyword(model.model if head is not None else model)
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        key: cache,
+        "use_cache": use_cache,
+    }
     # --compile: the same forward, compiled
     compiled = decode.compiled_forward(model)
     if head is not None:
@@ -389,7 +391,7 @@ def _features(
     else:
         out = (model if compiled is None else compiled)(**kwargs, logits_to_keep=num_positions)
         features = out.logits[:, out.logits.shape[1] - num_positions :]
-    return features, head, getattr(out, "past_key_values", None)
+    return features, head, getattr(out, key, None)
 
 
 def _logprobs(features, head, targets, temperature, chunk_size, with_entropy):

@@ -35,6 +35,7 @@ from support.phases import NO_PHASES
 from support.reward_loading import from_flags as rewards_from_flags
 from support.reward_loading import load_reward_fn
 from support.signals import STOPS, DevNullWhenReaderGone
+from support.worker import Worker
 
 
 def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
@@ -47,7 +48,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
         report.print_header(args, model)
         report.print_data(task, s.eval.limit)
         # Before training (or the evaluation a crash cut short). Signals: support/signals.py.
-        with STOPS.at_once():
+        with STOPS.at_once(evaluation_at(run.start_step)):
             evaluate_if_due(run, task, run.start_step)
         # 4: for step = 1, ..., M
         for step in range(run.start_step, args.steps):
@@ -98,11 +99,11 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                 # Save when due. A signal during the step (on any rank) stops here, saved.
                 stop = save_or_stop(run, task, step + 1)
             if eval_due(s, task, step + 1, stop):
-                with STOPS.at_once():  # the training is saved (save_or_stop)
+                with STOPS.at_once(evaluation_at(step + 1)):  # saved by save_or_stop
                     evaluate_if_due(run, task, step + 1, stop)
             if stop:
                 break
-        with STOPS.at_once():
+        with STOPS.at_once("the closing table and curves.png; training is saved"):
             finish(run, task)
     return run.evals
 
@@ -522,6 +523,14 @@ def eval_due(settings, task, step, last=False):
     return every >= 0 and len(task.eval) > 0 and (ends or periodic)
 
 
+def evaluation_at(step):
+    """What an evaluation at `step` is, for the line printed when a signal stops it
+    (signals.StopRequests.at_once): training is saved before every evaluation after step 0."""
+    if step == 0:
+        return "the evaluation before training; no step has run"
+    return f"the evaluation at step {step}; training is saved up to step {step}"
+
+
 def evaluate_if_due(run, task, step, last=False):
     """The evaluation of `step` if one is due and not logged yet (a resumed run may have)."""
     if not eval_due(run.settings, task, step, last) or step in dict(run.evals):
@@ -739,8 +748,14 @@ def load_task(args, task=None):
     named = [(r.name, r.fn) for r in task.rewards]
     extract = task.extract_answer
     if args.extract_answer is not None:
-        spec = args.extract_answer
-        extract = load_reward_fn(spec, "--extract-answer", rewards.ANSWER_EXTRACTORS)[1]
+        # by import path: in its own worker process (support/worker.py), --reward-timeout per call
+        extract = load_reward_fn(
+            args.extract_answer,
+            "--extract-answer",
+            rewards.ANSWER_EXTRACTORS,
+            Worker(args.reward_memory),
+            args.reward_timeout,
+        )[1]
     task = dataclasses.replace(
         task,
         response_prefix=args.response_prefix,

@@ -352,6 +352,7 @@ class DecodeLengths:
             raise ValueError(f"forced lengths must be at least 1: {self.lengths.tolist()}")
         self.eos = [eos] if isinstance(eos, int) else list(eos)
         self.padded = id(model) in decode.COMPILED  # compiled: all planned rows stay in the batch
+        self.cache_key = decode.cache_keyword(model)  # the forward's KV-cache keyword
         self.prefilled, self.t = False, 1
 
     def stop(self):
@@ -366,7 +367,7 @@ class DecodeLengths:
             end = self.prefill(logits, kwargs)
         elif self.padded:
             # compiled: the token these logits draw, from the cache's length (prompt + tokens fed)
-            k = kwargs["past_key_values"].get_seq_length() - self.prompt_width
+            k = kwargs[self.cache_key].get_seq_length() - self.prompt_width
             lengths = torch.cat([self.on_device, self.on_device.new_zeros(len(logits) - self.n)])
             end = lengths == k + 1
         else:

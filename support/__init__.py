@@ -15,6 +15,7 @@ them, one job a file:
   reward_loading.py  the run's rewards from --reward-fn, --reward-model, --reward-weights...
   reward_model.py    RewardModel: a sequence classifier as a reward function (--reward-model)
   sandbox.py         calling one reward function in isolation: own copies, errors, time limit
+  worker.py          user code loaded by import path in a worker process: killed past its limit
   hf_datasets.py     Hugging Face datasets for --data and --eval-data (Hub ids, saved, Parquet)
   demo.py            the offline demo: a tiny Llama and a word-level tokenizer built in code
   phases.py          the phase-timing hook train() calls (for scripts/bench.py and gpu_check.py)

@@ -156,6 +156,7 @@ MAY_CHANGE_ON_RESUME = {
     "resume",
     "overwrite",
     "reward_timeout",
+    "reward_memory",
     "report_to",
     "steps",
     "eval_every",
@@ -510,6 +511,8 @@ def find_last(output_dir, quiet=False):
                     file=sys.stderr,
                     flush=True,
                 )
+            elif name == "checkpoint.old" and not quiet and distributed.is_main():
+                print(interrupted_save_note(output_dir, path), file=sys.stderr, flush=True)
             return path
         damaged.append(f"{path} is damaged: {problem}")
     if damaged and not quiet:
@@ -520,6 +523,21 @@ def find_last(output_dir, quiet=False):
             "(or in another --output-dir)."
         )
     return None
+
+
+def interrupted_save_note(output_dir, old):
+    """The line find_last prints when it falls back to checkpoint.old with no checkpoint beside it:
+    a save was stopped between its two renames (a second Ctrl-C, a kill). What resume does: go on
+    from checkpoint.old; the unfinished checkpoint.tmp is not used (the next save replaces it)."""
+    step = checkpoint_step(old)
+    tmp = os.path.join(output_dir, "checkpoint.tmp")
+    left = f"{old} and {tmp} are left" if os.path.isdir(tmp) else f"{old} is left"
+    at = f" at step {step}" if step is not None else ""
+    return (
+        f"a save was interrupted between its renames ({left}, no checkpoint): continuing from "
+        f"{old}{at}, the last complete save; "
+        + (f"{tmp} is not used (the next save replaces it)" if os.path.isdir(tmp) else "")
+    ).rstrip("; ")
 
 
 def verify(path):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 
 def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
@@ -77,7 +78,8 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
     if compiled is None:
-        net, step, R, L = model, functools.partial(_decode_step, model), n, P + C
+        net, R, L = model, n, P + C
+        step = functools.partial(_decode_step, model, key=cache_keyword(model))
     else:
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
@@ -97,8 +99,8 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
         input_ids=prompt_ids,
         attention_mask=mask[:, :P],
         position_ids=positions,
-        past_key_values=prefill,
         use_cache=True,
+        **{cache_keyword(net): prefill},
         **keep,
     ).logits[:, -1]  # [B, V]: each prompt once
     group = torch.arange(B, device=device).repeat_interleave(G)  # [B*G]: each row's prompt
@@ -206,9 +208,10 @@ class TemperatureTopKTopP(LogitsProcessor):
 class KVCache(StaticCache):
     """transformers' StaticCache (preallocated, written in place), its keys and values held in
     `dtype`, the compute dtype under autocast. With fp32 weights under autocast the rotary
-    embedding leaves the keys in fp32 while v_proj gives bf16 values, and a StaticCache holds one
-    dtype for both. Attention, an autocast op, reads both in the compute dtype anyway: storing
-    them in it loses nothing and halves the cache. dtype None: as they come (fp32)."""
+    embedding leaves the keys in fp32 while v_proj gives bf16 values, and a StaticCache (before
+    transformers 5.24) holds one dtype for both. Attention, an autocast op, reads both in the
+    compute dtype anyway: storing them in it loses nothing and halves the cache. dtype None: as
+    they come (fp32)."""
 
     def __init__(self, config, max_cache_len, dtype=None):
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -241,15 +244,32 @@ def _grouped_cache(model, prefill, group, reuse):
     return cache
 
 
-def _decode_step(model, token, mask, position, cache):
-    """One token per row through the model against its KV cache: the next logits [n, V]."""
+def _decode_step(model, token, mask, position, cache, *, key):
+    """One token per row through the model against its KV cache: the next logits [n, V]. key:
+    cache_keyword(model), bound once outside the compiled step."""
     return model(
         input_ids=token,
         attention_mask=mask,
         position_ids=position,
-        past_key_values=cache,
         use_cache=True,
+        **{key: cache},
     ).logits[:, -1]
+
+
+def cache_keyword(model):
+    """The name under which this model's forward takes its KV cache, and its output returns it:
+    "cache" from transformers 5.24 (where "past_key_values" is deprecated, to be removed in 5.40,
+    and warns at every call), "past_key_values" before. Read off the forward's signature (through
+    torch.compile's wrapper and PEFT's); a forward taking only **kwargs: the name in transformers'
+    own output class. Every forward with a cache, and every read of one, goes through this."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PeftModel
+    parameters = inspect.signature(inner.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    fields = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    return "cache" if "cache" in fields else "past_key_values"
 
 
 # --compile's state per model (sampling.compile_model): id(model) -> Compiled. The process's one
@@ -328,7 +348,7 @@ def compiled_decoder(model, dtype):
     if dtype not in compiled.steps:
         twin, pairs = decode_twin(model, dtype) if dtype is not None else (model, [])
         step = torch.compile(
-            functools.partial(_decode_step, twin),
+            functools.partial(_decode_step, twin, key=cache_keyword(twin)),
             backend=compiled.backend,
             mode=compiled.mode,
             dynamic=False,
@@ -383,10 +403,11 @@ def is_sharded(model):
 def generation_config(settings, eos_ids, pad_id, num_return_sequences):
     """Every setting that could change the sampled distribution, stated; temperature, top-k and
     top-p are off here (TemperatureTopKTopP applies them)."""
+    sample = settings.temperature > 0 and settings.num_beams == 1
     return GenerationConfig(
-        do_sample=settings.temperature > 0 and settings.num_beams == 1,
+        do_sample=sample,
         temperature=1.0,
-        top_k=0,
+        top_k=0 if sample else None,  # unused unless sampling: set, generate() warns it is ignored
         top_p=1.0,
         max_new_tokens=settings.max_new_tokens,
         eos_token_id=eos_ids,

@@ -11,6 +11,7 @@ import torch
 import sampling
 from support import decode, distributed, report
 from support.errors import UserError
+from support.worker import WorkerFailed, WorkerTimeout
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,20 @@ def answer_of(fn, response):
     line."""
     try:
         answer = fn(response)
-    except Exception as e:
+    except WorkerTimeout:
         raise UserError(
-            f"--extract-answer: {getattr(fn, '__name__', fn)} raised {type(e).__name__}: {e} on the "
+            f"--extract-answer {fn.spec} did not return within {fn.timeout:g} s (--reward-timeout) "
+            f"on the completion {response[:200]!r}, and its worker process was killed. Make it "
+            "faster, or raise the limit with --reward-timeout SECONDS (0: no limit)."
+        ) from None
+    except WorkerFailed as e:
+        raise UserError(
+            f"--extract-answer {fn.spec} {e} on the completion {response[:200]!r}."
+        ) from None
+    except Exception as e:  # in the worker (RemoteError: its type's name) or here
+        raise UserError(
+            f"--extract-answer: {getattr(fn, '__name__', fn)} raised "
+            f"{getattr(e, 'type_name', type(e).__name__)}: {e}{getattr(e, 'where', '')} on the "
             f"completion {response[:200]!r}. It must return the answer as a string, or None."
         ) from None
     return None if answer is None else str(answer)

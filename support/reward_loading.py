@@ -3,17 +3,15 @@
 (load_reward_fn). Whatever cannot work is a UserError now, not at step 1.
 """
 
-import importlib
 import inspect
 import os
-import sys
 
 import torch
 
 import rewards
 from support.errors import UserError
 from support.reward_model import RewardModel
-from support.sandbox import raised_at
+from support.worker import Worker, WorkerFailed
 
 
 def from_flags(args, defaults, fields=()):
@@ -21,7 +19,12 @@ def from_flags(args, defaults, fields=()):
     `defaults`, [(name, fn)]), then --reward-model's models, weighted by --reward-weights in that
     order (every weight 1.0 without it), each given --reward-timeout's time limit. `fields`: the
     data rows' other fields, which a function may declare as parameters."""
-    named = [load_reward_fn(spec) for spec in args.reward_fn] if args.reward_fn else list(defaults)
+    worker = Worker(args.reward_memory)  # started by the first function loaded by import path
+    named = (
+        [load_reward_fn(spec, worker=worker) for spec in args.reward_fn]
+        if args.reward_fn
+        else list(defaults)
+    )
     names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
     names += ["overlong"] if args.overlong_buffer > 0 else []
     weights = args.reward_weights or [1.0] * len(names)
@@ -57,11 +60,13 @@ def from_flags(args, defaults, fields=()):
     return rewards.weighted(named, weights, args.reward_timeout)
 
 
-def load_reward_fn(spec, flag="--reward-fn", builtins=None):
-    """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format) or
-    MODULE:FUNCTION, imported with the working directory first on the import path (so my_rewards.py
-    beside you works as my_rewards:brevity). The function is logged under its own name.
-    --extract-answer loads its function the same way (flag and builtins: its own)."""
+def load_reward_fn(spec, flag="--reward-fn", builtins=None, worker=None, timeout=None):
+    """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format), called in
+    this process, or MODULE:FUNCTION, imported in the run's worker process (`worker`, a
+    support.worker.Worker; a new one if not given) with the working directory first on the import
+    path (so my_rewards.py beside you works as my_rewards:brevity), and called there. The function
+    is logged under its own name. --extract-answer loads its function the same way (flag and
+    builtins: its own; `timeout`: its time limit per call, --reward-timeout's)."""
     builtins = rewards.REWARD_FUNCS if builtins is None else builtins
     if spec in builtins:
         return spec, builtins[spec]
@@ -71,31 +76,14 @@ def load_reward_fn(spec, flag="--reward-fn", builtins=None):
             f"{flag} {spec!r}: expected MODULE:FUNCTION (e.g. my_rewards:brevity for the function "
             f"brevity in ./my_rewards.py) or a built-in: {', '.join(builtins)}."
         )
-    if os.getcwd() not in sys.path[:1]:
-        sys.path.insert(0, os.getcwd())
+    worker = Worker() if worker is None else worker
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise UserError(f"{flag} {spec!r}: importing {module_name} failed: {e}.") from None
-        raise UserError(
-            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
-            f".py in the working directory ({os.getcwd()}) or on the import path."
-        ) from None
-    except Exception as e:  # a syntax error in the user's file, or an error it raises when imported
-        raise UserError(
-            f"{flag} {spec!r}: importing {module_name} raised {type(e).__name__}: {e}{raised_at(e)}."
-        ) from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        found = sorted(
-            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
-        )
-        raise UserError(
-            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
-            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
-        )
-    return fn_name, fn
+        remote = worker.load(spec, flag, os.getcwd())
+    except WorkerFailed as e:  # it died or hung while importing
+        raise UserError(f"{flag} {spec}: importing {module_name} for {flag}: {e}.") from None
+    if timeout is not None:
+        remote.timeout = timeout
+    return fn_name, remote
 
 
 def check_signature(name, fn, fields):

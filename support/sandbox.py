@@ -11,16 +11,21 @@ what it cannot interrupt).
 
 import contextlib
 import copy
+import importlib
 import inspect
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
 
-import torch
-
+from support import worker
 from support.errors import UserError
+
+# float32's largest finite value (torch.finfo(torch.float32).max): torch is not imported here, as
+# the worker process (support/worker.py) imports this file and needs no torch
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def declared_columns(fn, columns):
@@ -40,7 +45,12 @@ def declared_columns(fn, columns):
 
 def call_reward(r, completions, answers, kwargs):
     """One rewards.Reward's values [N] on the batch, each argument its own copy, within r.timeout
-    seconds (the search for the failing completion included)."""
+    seconds (the search for the failing completion included). A function loaded by import path
+    (a worker.Remote) runs in the run's worker process: its copies are the pickled arguments, the
+    time limit is kept from outside (the worker is killed past it), and a worker that dies is said
+    by name; every other one runs here."""
+    if isinstance(r.fn, worker.Remote):
+        return call_in_worker(r, completions, answers, kwargs)
     try:
         with time_limit(r.timeout):
             try:
@@ -63,6 +73,93 @@ def call_reward(r, completions, answers, kwargs):
             f"{(completions[0] if completions else '')[:200]!r}. Make it faster, or raise the limit with "
             "--reward-timeout SECONDS (0: no limit)."
         ) from None
+
+
+def call_in_worker(r, completions, answers, kwargs):
+    """call_reward for a function in the worker process (reward_in_worker runs there)."""
+    first = (completions[0] if completions else "")[:200]
+    try:
+        values = r.fn.call(
+            (r.name, completions, answers, kwargs),
+            {},
+            r.timeout,
+            "support.sandbox:reward_in_worker",
+        )
+    except worker.WorkerTimeout:
+        raise UserError(
+            f"reward function {r.name!r} ({r.fn.flag} {r.fn.spec}) did not return within "
+            f"{r.timeout:g} s (--reward-timeout) on a batch of {len(completions)} completions, and its "
+            f"worker process was killed; the batch's first completion began: {first!r}. Make it "
+            "faster, or raise the limit with --reward-timeout SECONDS (0: no limit)."
+        ) from None
+    except worker.WorkerFailed as e:
+        raise UserError(
+            f"reward function {r.name!r} ({r.fn.flag} {r.fn.spec}) {e} on a batch of "
+            f"{len(completions)} completions; the batch's first completion began: {first!r}. A "
+            "runaway allocation meets --reward-memory's limit (GiB of address space) as a "
+            "MemoryError, or the kernel's out-of-memory killer (SIGKILL)."
+        ) from None
+    except (
+        worker.RemoteError
+    ) as e:  # the adapter itself failed: an argument or value that does not pickle
+        raise UserError(
+            f"reward function {r.name!r} ({r.fn.flag} {r.fn.spec}) could not be called in its worker "
+            f"process: {e.type_name}: {e}{e.where}."
+        ) from None
+    return as_rewards(r.name, values, completions)
+
+
+def reward_in_worker(fn, name, completions, answers, kwargs):
+    """In the worker process: fn's values on the batch as floats (as_floats), or a UserError with
+    call_reward's message. Its arguments are its own already (unpickled copies)."""
+    try:
+        values = fn(completions, answers, **kwargs)
+    except BaseException as e:  # SystemExit too: a reward function does not end the run
+        raise UserError(exception_message(name, e, fn, completions, answers, kwargs)) from None
+    return as_floats(name, values, completions)
+
+
+def import_function(spec, flag, cwd):
+    """The function MODULE:FUNCTION names, imported with `cwd` first on the import path (in the
+    worker process), or a UserError saying why not: no such module, an error (SystemExit and
+    argparse's exit too) while importing it, no such function."""
+    module_name, _, fn_name = spec.partition(":")
+    if cwd not in sys.path[:1]:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise UserError(
+                f"{flag} {spec}: importing {module_name} for {flag} failed: {e}."
+            ) from None
+        raise UserError(
+            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+            f".py in the working directory ({cwd}) or on the import path."
+        ) from None
+    except SystemExit as e:  # sys.exit, or argparse's parse_args reading the trainer's flags
+        raise UserError(
+            f"{flag} {spec}: importing {module_name} for {flag} raised SystemExit({e.code!r}): it "
+            "exits when imported (argparse's parse_args at import time does, on flags that are not "
+            'its own). Parse arguments under `if __name__ == "__main__":` only.'
+        ) from None
+    except (
+        BaseException
+    ) as e:  # a syntax error in the user's file, or an error it raises when imported
+        raise UserError(
+            f"{flag} {spec}: importing {module_name} for {flag} raised {type(e).__name__}: "
+            f"{e}{raised_at(e)}."
+        ) from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+        )
+        raise UserError(
+            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
+        )
+    return fn
 
 
 def own_copy(values):
@@ -193,8 +290,28 @@ def raised_at(e):
 
 def as_rewards(name, values, completions):
     """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong
-    with it: not one number per completion, NaN or inf, or a number beyond float32's range (1e39 is
-    a finite float but inf in float32)."""
+    with it: not one number per completion, NaN or inf (as_floats), or a number beyond float32's
+    range (1e39 is a finite float but inf in float32)."""
+    import torch
+
+    out = as_floats(name, values, completions)
+    rewards = torch.tensor(out, dtype=torch.float32)
+    # finite as Python floats, but beyond float32's range: inf here
+    overflowed = (~rewards.isfinite()).nonzero().flatten().tolist()
+    if overflowed:
+        i = overflowed[0]
+        raise UserError(
+            f"reward function {name!r} returned {out[i]} for completion {i}, beyond the range of float32 "
+            f"(±{FLOAT32_MAX:.4g}), in which rewards are computed: it would be inf and reach the "
+            f"weights. Scale the rewards down. The completion began: {completions[i][:200]!r}"
+        )
+    return rewards
+
+
+def as_floats(name, values, completions):
+    """A reward function's return value as a list of finite Python floats, one per completion (a
+    list, a tuple, a tensor, an array, a generator; numbers, bools, Decimals, 0-d tensors), or a
+    UserError saying what is wrong with it."""
     n = len(completions)
     returned = values
     if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
@@ -237,14 +354,4 @@ def as_rewards(name, values, completions):
                 f"numbers (NaN or inf would reach the weights). The completion began: "
                 f"{completions[i][:200]!r}"
             )
-    rewards = torch.tensor(out, dtype=torch.float32)
-    # finite as Python floats, but beyond float32's range: inf here
-    overflowed = (~rewards.isfinite()).nonzero().flatten().tolist()
-    if overflowed:
-        i = overflowed[0]
-        raise UserError(
-            f"reward function {name!r} returned {out[i]} for completion {i}, beyond the range of float32 "
-            f"(±{torch.finfo(torch.float32).max:.4g}), in which rewards are computed: it would be inf and reach the "
-            f"weights. Scale the rewards down. The completion began: {completions[i][:200]!r}"
-        )
-    return rewards
+    return out

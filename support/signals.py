@@ -93,16 +93,39 @@ class StopRequests:
             raise Stopped(signum)
 
     @contextlib.contextmanager
-    def at_once(self):
+    def at_once(self, during=None):
         """A signal inside this block stops at once (nothing unsaved to lose), a pending request
-        too."""
+        too. `during`: what the block does and what is saved, for the line on stderr that says so
+        ("SIGTERM: stopping during the evaluation at step 4; training is saved up to step 4")."""
         self.immediate = True
         try:
             if self.signum is not None:
                 raise Stopped(self.signum)
             yield
+        except Stopped as e:
+            if during is not None and distributed.is_main():
+                print(f"\n{e}: stopping during {during}", file=sys.stderr, flush=True)
+            raise
         finally:
             self.immediate = False
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """A signal inside this block stops at once: the trainer waits on a worker process
+        (support/worker.py), which the stop ends; a request pending from earlier in the step is
+        left for the step's end, as at any other moment."""
+        immediate, self.immediate = self.immediate, True
+        try:
+            yield
+        except Stopped as e:
+            print(
+                f"\n{e}: stopping at once, during a call to the worker process (ended)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
+        finally:
+            self.immediate = immediate
 
     def raise_if_requested(self, saved):
         """At a step's end: Stopped if a signal came on any rank (one all-reduce under torchrun)."""

@@ -397,3 +397,24 @@ def test_a_run_trains_on_the_train_split_and_evaluates_on_the_test_split_of_a_sa
     assert all(0 <= result["correctness"] <= 1 for _, result in evals)
     (step,) = [row for row in read_metrics(out) if "reward" in row]
     assert step["step"] == 1 and {"rewards/correctness", "rewards/format"} <= set(step)
+
+
+def test_an_answer_column_empty_in_every_row_is_refused_as_a_jsonl_without_answers(hf, tmp_path):
+    # It used to train at reward 0 with no message (a CSV's empty cells are read as None); a JSONL
+    # file without the answer field is refused, and so is this, in the same form.
+    empty = tmp_path / "no-answers.csv"
+    empty.write_text("q,gold\nSay hi,\nSay bye,\n")
+    assert refused("--data", str(empty), *MAPPING) == (
+        f"could not load your task's train data: {empty}: the answer column 'gold' is empty in "
+        "every row (no answer field). Each row of --data must have the --prompt-field (a string) "
+        "and the --answer-field."
+    )
+    jsonl = tmp_path / "no-answers.jsonl"
+    jsonl.write_text('{"q": "Say hi"}\n')
+    assert refused("--data", str(jsonl), *MAPPING).startswith(
+        f"could not load your task's train data: {jsonl}:1: no answer field 'gold'"
+    )
+    # some answers present: the rows are taken as they are
+    some = tmp_path / "some-answers.csv"
+    some.write_text("q,gold\nSay hi,1\nSay bye,\n")
+    assert [row["answer"] for row in task("--data", str(some), *MAPPING).train] == [1, None]

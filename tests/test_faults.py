@@ -499,6 +499,27 @@ def test_checkpoint_is_replaced_atomically_and_a_crash_between_renames_keeps_the
     assert checkpoint.find_last(out).endswith("checkpoint.old")
 
 
+def test_a_save_interrupted_between_its_renames_is_said_with_what_resume_does(tmp_path, capsys):
+    # A second Ctrl-C (or a kill) between save's two renames leaves checkpoint.old and
+    # checkpoint.tmp, no checkpoint. Resume went on from checkpoint.old without a word.
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    out = str(tmp_path)
+    checkpoint.save(out, model, tokenizer, {"step": 1})
+    os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))
+    os.makedirs(os.path.join(out, "checkpoint.tmp"))
+    capsys.readouterr()
+    assert checkpoint.find_last(out) == os.path.join(out, "checkpoint.old")
+    assert capsys.readouterr().err == (
+        f"a save was interrupted between its renames ({out}/checkpoint.old and {out}/checkpoint.tmp "
+        f"are left, no checkpoint): continuing from {out}/checkpoint.old at step 1, the last "
+        f"complete save; {out}/checkpoint.tmp is not used (the next save replaces it)\n"
+    )
+    assert checkpoint.find_last(out, quiet=True) and capsys.readouterr().err == ""
+    # the next save puts the directory right: checkpoint alone
+    checkpoint.save(out, model, tokenizer, {"step": 2})
+    assert sorted(os.listdir(out)) == ["checkpoint"]
+
+
 # --- non-finite losses, gradients and rewards; degenerate batches
 # --------------------------------------------------------------------------------------------------
 
@@ -670,6 +691,22 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
         assert text in err
 
 
+def test_plot_of_a_metrics_line_that_is_a_json_array_exits_2_with_one_paragraph(tmp_path):
+    # The old report.py command line printed this paragraph but exited 1; train.py --plot, the
+    # only command line left, exits 2 as for any bad input.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n[1, 2]\n')
+    done = subprocess.run(
+        [sys.executable, "train.py", "--plot", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {tmp_path / 'metrics.jsonl'}:2 is not a JSON object")
+    assert "Traceback" not in done.stderr
+
+
 def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
     tmp_path, monkeypatch, capsys
 ):
@@ -714,6 +751,10 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
         ("--delta", "inf", "--delta must be a finite number > 1"),
         ("--warmup-steps", "-1", "--warmup-steps must be at least 0, got -1"),
         ("--top-k", "-5", "--top-k must be at least 0, got -5"),
+        ("--eval-every", "-5", "--eval-every must be at least -1, got -5"),
+        ("--save-every", "-1", "--save-every must be at least 0, got -1"),
+        ("--sample-every", "-1", "--sample-every must be at least 0, got -1"),
+        ("--demo-warmup-steps", "-1", "--demo-warmup-steps must be at least 0, got -1"),
         (
             "--reward-timeout",
             "1e12",

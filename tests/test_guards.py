@@ -359,3 +359,30 @@ def test_eval_only_resume_of_an_adapter_only_checkpoint_asks_for_the_lora_flags(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "holds a LoRA adapter, not a whole model" in err and "--lora-rank" in err
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_an_evaluation_stops_it_at_once_with_a_line_saying_what_is_saved(
+    tmp_path, monkeypatch, capsys, signum, code
+):
+    # Training is saved before every evaluation, so a signal inside one stops at once. It used to
+    # exit 130/143 with no message at all; now one line says where it stopped and what is saved.
+    real, calls = evaluation.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after step 2 (the first one is before training)
+            os.kill(os.getpid(), signum)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
+            run_tiny(tmp_path, "--steps", "4", "--eval-every", "2", "--eval-limit", "2")
+    assert info.value.exit_code == code
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
+    err = capsys.readouterr().err
+    name = signal.Signals(signum).name
+    assert (
+        f"{name}: stopping during the evaluation at step 2; training is saved up to step 2" in err
+    )

@@ -120,7 +120,8 @@ def test_the_kv_cache_is_held_in_the_compute_dtype():
     model = demo.tiny_llama(97, 0).eval()
     cache = decode.KVCache(model.config, 16, torch.bfloat16)
     with torch.no_grad(), sampling.autocast("cpu", torch.bfloat16):
-        model(input_ids=torch.randint(2, 97, (2, 5)), past_key_values=cache, use_cache=True)
+        ids = torch.randint(2, 97, (2, 5))
+        model(input_ids=ids, use_cache=True, **{decode.cache_keyword(model): cache})
     assert (
         {layer.keys.dtype for layer in cache.layers}
         == {layer.values.dtype for layer in cache.layers}

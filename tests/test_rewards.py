@@ -4,6 +4,7 @@ reward functions (--reward-fn, support/reward_loading.py) and reward models (--r
 support/reward_model.py). Logged rewards are float32 means: sums of them are compared at 1e-6.
 """
 
+import json
 import random
 import re
 import sys
@@ -64,9 +65,9 @@ def write_module(tmp_path, name, source):
 
 
 RAISING_REWARDS = """
-seen = []
+import json; seen = []                        # json: the worker process writes `seen` for the test
 def picky(completions, answers, id):
-    seen.append(list(completions))
+    seen.append(list(completions)); json.dump(seen, open("seen.json", "w"))
     return [1.0 / (i - 3) for i in id]           # ZeroDivisionError on the completions of the row with id 3
 def batch_only(completions, answers):
     if len(completions) > 1:
@@ -430,7 +431,8 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
         (
             "user_mod:f",
             "import numpy\nx = 1 / 0\n",
-            "importing user_mod raised ZeroDivisionError: division by zero (user_mod.py:2)",
+            "importing user_mod for --reward-fn raised ZeroDivisionError: division by zero "
+            "(user_mod.py:2)",
         ),
         (
             "user_mod:f",
@@ -440,7 +442,7 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
         (
             "user_mod:f",
             "import no_such_dependency_xyz\n",
-            "importing user_mod failed: No module named 'no_such_dependency_xyz'",
+            "importing user_mod for --reward-fn failed: No module named 'no_such_dependency_xyz'",
         ),
     ],
 )
@@ -550,7 +552,7 @@ def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_comple
         rows = batch_at(data.task_from_flags(args).train, 4, args.seed, 0)
         first = 2 * [row["fields"]["id"] for row in rows].index(3)  # G = 2 completions per row
         assert first == 6
-        batch = sys.modules["user_rewards"].seen[0]
+        batch = json.loads((tmp_path / "seen.json").read_text())[0]
         message = message.format(first=first, text=repr(batch[first][:200]))
     assert f"error: {message}" in err, err[-600:]
     # saved before any update
