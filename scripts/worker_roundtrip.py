@@ -1,16 +1,15 @@
 """The worker process's round trip per call (support/worker.py): one reward call on B x G
 completions through the worker (pickling, the pipe, the coercion), against the same function
-called in process. python scripts/worker_roundtrip.py [completions per call] [calls]"""
+called in process. From the repository root: python -m scripts.worker_roundtrip [completions per
+call] [calls]"""
 
 import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import rewards  # noqa: E402
-from support import sandbox, worker  # noqa: E402
+import rewards
+from support import sandbox, worker
 
 
 def per_call(reward, completions, answers, calls):

@@ -113,8 +113,12 @@ class StopRequests:
     def waiting(self):
         """A signal inside this block stops at once: the trainer waits on a worker process
         (support/worker.py), which the stop ends; a request pending from earlier in the step is
-        left for the step's end, as at any other moment."""
-        immediate, self.immediate = self.immediate, True
+        left for the step's end, as at any other moment. Under torchrun the first signal stays a
+        request (every rank must stop at the same step, and the others are not waiting with this
+        one: a rank stopping alone would leave them in the next collective); a second stops at
+        once, as anywhere."""
+        immediate = self.immediate
+        self.immediate = immediate or distributed.world() == 1
         try:
             yield
         except Stopped as e:
