@@ -427,23 +427,19 @@ def last_checkpoint_in_words(output_dir):
 
 
 def checkpoint_step(path):
-    """The step a checkpoint was saved after, None when it cannot be read. Memory-mapped: no
-    tensor is read, so it is cheap for a 14 GB training_state.pt too."""
-    try:
-        state = torch.load(
-            os.path.join(path, "training_state.pt"),
-            map_location="cpu",
-            weights_only=True,
-            mmap=True,
-        )
-        return state.get("step") if isinstance(state, dict) else None
-    except Exception:  # a damaged file: the message names the path alone
-        return None
+    """The step a checkpoint was saved after, None when it cannot be read."""
+    return state_header(path).get("step")
 
 
 def saved_flags(path):
-    """The flags a checkpoint was saved with ({name: value}), None when they cannot be read.
-    Memory-mapped, as checkpoint_step."""
+    """The flags a checkpoint was saved with ({name: value}), None when they cannot be read."""
+    return state_header(path).get("args")
+
+
+def state_header(path):
+    """training_state.pt of a checkpoint directory, memory-mapped: no tensor is read, so it is
+    cheap for a 14 GB file too. {} when it cannot be read (a damaged file: the message that asks
+    names the path alone)."""
     try:
         state = torch.load(
             os.path.join(path, "training_state.pt"),
@@ -451,9 +447,9 @@ def saved_flags(path):
             weights_only=True,
             mmap=True,
         )
-        return state.get("args") if isinstance(state, dict) else None
     except Exception:
-        return None
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def free_space(directory):
