@@ -38,10 +38,12 @@ def build_parser():
         "(SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, with or without -Instruct; -> "
         "HuggingFaceTB/...)"
     )
-    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition"])(
+    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition", "multiplication"])(
         "gsm8k: GSM8K (or your own JSONL with --prompt-field/--answer-field); addition: the "
         "built-in two-digit addition task (data.addition_rows: generated, no download; its "
-        "defaults are ADDITION_DEFAULTS)"
+        "defaults are ADDITION_DEFAULTS); multiplication: three-digit times two-digit numbers, "
+        "the built-in task for --tool calculator (its system prompt shows the call; defaults: "
+        "ADDITION_DEFAULTS)"
     )
     flag(g, "--data", None)(
         "train rows: a JSONL file, or a Hugging Face dataset as SOURCE[:CONFIG][@SPLIT] (a Hub id, "
@@ -165,6 +167,26 @@ def build_parser():
     flag(g, "--max-prompt-length", None, int)(
         "a longer prompt keeps its last N tokens (with a warning); if not given, the model's "
         "context length minus --max-new-tokens"
+    )
+
+    g = p.add_argument_group(
+        "tools (tools.py: the model writes <tool>NAME ARGS</tool>, the result is forced in)"
+    )
+    flag(g, "--tool", [], action="append", metavar="MODULE:FUNCTION")(
+        "a tool the completions may call mid-completion: f(arguments: str) -> str, run in a worker "
+        "process, or the built-in calculator (safe arithmetic); repeatable or comma-separated. "
+        "The tool's result tokens are attended to but carry no loss"
+    )
+    flag(g, "--tool-timeout", 30.0, float, metavar="SECONDS")(
+        "a --tool MODULE:FUNCTION call that takes longer stops the run (checkpoint saved, exit "
+        "code 2); 0: no limit"
+    )
+    flag(g, "--max-tool-calls", 4, int)(
+        "tool calls per completion; later call markers are left as plain text"
+    )
+    flag(g, "--max-tool-result-tokens", 64, int)(
+        "a tool's result is cut to this many tokens (the whole completion, model and tool "
+        "tokens, fits --max-new-tokens)"
     )
 
     g = p.add_argument_group("optimization")
@@ -356,7 +378,8 @@ def parse_args(argv=None):
     """Parse and check the flags, then fill in the run-time values (device, dtype, output dir)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if args.task == "addition" else {}
+    builtin = args.task in ("addition", "multiplication")
+    defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if builtin else {}
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
@@ -395,6 +418,7 @@ NUMBER_RANGES = [
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
     ("reward_memory", lambda v: v >= 0, ">= 0 GiB (0: no limit)"),
+    ("tool_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 SEED_LIMIT = 2**32  # numpy's seeds (transformers.set_seed seeds numpy too)
@@ -454,6 +478,8 @@ def check(args):
         ("--save-every", args.save_every, 0),
         ("--sample-every", args.sample_every, 0),
         ("--demo-warmup-steps", args.demo_warmup_steps, 0),
+        ("--max-tool-calls", args.max_tool_calls, 1),
+        ("--max-tool-result-tokens", args.max_tool_result_tokens, 1),
     ]:
         if value is not None and value < low:
             raise UserError(f"{option} must be at least {low}, got {value}.")
@@ -498,6 +524,14 @@ def check_option_flags(args):
             f"--overlong-buffer ({args.overlong_buffer}) must be at most --max-new-tokens "
             f"({args.max_new_tokens})."
         )
+    args.tool = split_commas(args.tool)
+    if args.tool and (args.num_beams > 1 or args.fsdp):
+        raise UserError(
+            f"--tool needs sampled completions that the decode loop can write a tool's result "
+            f"into, one token at a time; {'beam search (--num-beams)' if args.num_beams > 1 else '--fsdp'} "
+            "runs transformers' generate(), which cannot. Drop --tool, or drop "
+            f"{'--num-beams' if args.num_beams > 1 else '--fsdp (DDP, without it, runs tools: each rank its own calls)'}."
+        )
     if args.compile and (args.fsdp or args.lora_rank):
         raise UserError(
             "--compile compiles a whole, unadapted model: it does not combine with --fsdp or "
@@ -531,10 +565,10 @@ def check_task_flags(args):
             f"--demo brings its own task; drop --{custom[0].replace('_', '-')} (--reward-fn and "
             "--reward-model do work with --demo)."
         )
-    if args.task == "addition" and (args.demo or custom):
+    if args.task in ("addition", "multiplication") and (args.demo or custom):
         drop = "--demo" if args.demo else "--" + custom[0].replace("_", "-")
         raise UserError(
-            f"--task addition generates its own rows, prompts and rewards; drop {drop} "
+            f"--task {args.task} generates its own rows, prompts and rewards; drop {drop} "
             "(--reward-fn and --reward-model do work with it)."
         )
     if args.system_prompt is not None and args.system_prompt.startswith("@"):

@@ -53,6 +53,9 @@ class Task:
     # "GSM8K train split (downloaded to ~/.cache/grpo/gsm8k)"; "" where none were loaded.
     train_from: str = ""
     eval_from: str = ""
+    # tools.Tools the completions may call mid-completion (tools.py), in training and evaluation;
+    # None: none. The template's system prompt is what teaches the model their syntax.
+    tools: object = None
 
     def prompt(self, tokenizer, text):
         """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then
@@ -69,12 +72,13 @@ class Task:
         """The names of the task's fields (train and held-out rows), computed once."""
         return field_names(self.train + self.eval)
 
-    def score(self, rows, completions, G=1, lengths=None):
+    def score(self, rows, completions, G=1, lengths=None, tool_calls=None):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G
         first, as sampled) and each function's {name: [N]}. The functions see the responses (prefix
         + completion) and each row's answer, and, when they declare them, its prompt (`prompts`) and
-        its other fields, G times each, and each completion's token count (`completion_lengths`,
-        from `lengths` [N])."""
+        its other fields, G times each, each completion's token count (`completion_lengths`, from
+        `lengths` [N]) and its number of tool calls (`tool_calls`, from `tool_calls` [N]; 0 each
+        when the task has no tools)."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
@@ -83,6 +87,8 @@ class Task:
         columns["prompts"] = [row["prompt"] for row in rows]
         if lengths is not None:
             columns["completion_lengths"] = [int(n) for n in lengths]
+        calls = [0] * len(rows) if tool_calls is None else [int(n) for n in tool_calls]
+        columns["tool_calls"] = calls
         return rewards.score(
             self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns
         )
@@ -187,7 +193,7 @@ def own_row(where, record, prompt_field, answer_field):
     if answer_field not in record:
         raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(record)})")
     others = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
-    reserved = sorted(set(others) & {"prompts", "completion_lengths"})
+    reserved = sorted(set(others) & {"prompts", "completion_lengths", "tool_calls"})
     if reserved:
         raise ValueError(
             f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
@@ -299,6 +305,70 @@ def addition_task():
     )
 
 
+# --task multiplication: "What is A x B?" for A in [100, 999], B in [10, 99], which
+# SmolLM2-135M-Instruct cannot do in its head (0 of 256 samples right in a pilot) but can with a
+# calculator. 200 held-out questions, the rest of MULTIPLICATION_ROWS trained on; no held-out
+# pair (in either order) is trained on.
+MULTIPLICATION_SEED = 0
+MULTIPLICATION_ROWS = 5000
+# --task multiplication --tool calculator: a system prompt with the call syntax, then one worked
+# exchange as earlier chat turns (tool_prompt). A pilot on SmolLM2-135M-Instruct (128 samples each,
+# T = 0.7): the syntax in the system prompt alone, 0-4% of completions called the tool; with this
+# exchange, 27% did and 16% were right; with an exchange that answers at once, 70% called: too
+# few errors left for GRPO to show what it adds.
+TOOL_SYSTEM_PROMPT = (
+    "You can use a calculator: write <tool>calculator EXPRESSION</tool> and the result appears as "
+    "<result>VALUE</result>."
+)
+TOOL_EXAMPLE = (
+    "What is 12 x 34?",
+    "Let me use the calculator. <tool>calculator 12*34</tool><result>408</result> So 12 x 34 = 408.",
+)
+
+
+def tool_prompt(tokenizer, question):
+    """--task multiplication --tool calculator's prompt: TOOL_SYSTEM_PROMPT, TOOL_EXAMPLE as a
+    user turn and the assistant's reply, then the question; without a chat template, the same as
+    plain text (chat_prompt's form)."""
+    user, reply = TOOL_EXAMPLE
+    if getattr(tokenizer, "chat_template", None) is None:
+        example = f"{TOOL_SYSTEM_PROMPT}\n\n{user}\n{reply}"
+        return chat_prompt(tokenizer, question, example)
+    turns = [
+        {"role": "system", "content": TOOL_SYSTEM_PROMPT},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": question},
+    ]
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def multiplication_rows(seed=MULTIPLICATION_SEED, count=MULTIPLICATION_ROWS, held_out=200):
+    """(train rows, held-out rows) of the multiplication task: {"prompt": "What is A x B?",
+    "answer": "A*B"} for `count` distinct pairs drawn with Python's random.Random(seed)."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], count)
+    rows = [{"prompt": f"What is {a} x {b}?", "answer": str(a * b)} for a, b in pairs]
+    return rows[held_out:], rows[:held_out]
+
+
+def multiplication_task(with_tools):
+    """--task multiplication: its generated rows in the chat template, scored by the completion's
+    last number (a tool's result counts: the completion holds it). with_tools: the prompt that
+    shows the calculator's call (tool_prompt); without, the question alone."""
+    train, test = multiplication_rows()
+    generated = f"generated (--task multiplication, seed {MULTIPLICATION_SEED})"
+    return Task(
+        train=train,
+        eval=test,
+        template=tool_prompt if with_tools else functools.partial(chat_prompt, system_prompt=""),
+        rewards=rewards.weighted([("correctness", rewards.last_number_reward)], [1.0]),
+        extract_answer=rewards.last_number,
+        train_from=generated,
+        eval_from=f"{generated[:-1]}, pairs never trained on)",
+    )
+
+
 def task_from_flags(args):
     """The task that --data describes, with its default rewards (reward_loading.from_flags applies
     --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
@@ -309,6 +379,8 @@ def task_from_flags(args):
     from: the task's train_from and eval_from (rows_from)."""
     if args.task == "addition":
         return addition_task()
+    if args.task == "multiplication":
+        return multiplication_task(bool(args.tool))
     custom = args.prompt_field is not None or args.answer_field is not None
     need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
     eval_path, eval_flag = args.eval_data, "--eval-data"

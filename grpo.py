@@ -58,7 +58,8 @@ def grpo_loss(
     ref_logps  [N, T] log π_ref, or None (only when beta == 0; then no KL is computed at all).
     advantages [N] (one per completion, broadcast over its tokens) or [N, T] (per token, process
                supervision).
-    mask       [N, T] 1 for completion tokens up to and including EOS, 0 after (bool or numeric).
+    mask       [N, T] 1 for the tokens in the loss: the completion up to and including EOS, 0
+               after it and on the tokens a tool's result forced in (bool or numeric).
     epsilon_high: upper clip bound ε_high (DAPO's clip-higher, arXiv 2503.14476); default epsilon.
     loss_type: "grpo" 1/N Σ_i 1/|o_i| Σ_t (the paper) | "dapo" Σ_{i,t} / Σ_i |o_i| (token-level,
                arXiv 2503.14476) | "dr_grpo" Σ_{i,t} / (N · max_tokens) (arXiv 2503.20783).

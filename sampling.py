@@ -65,6 +65,14 @@ class Rollouts:
     truncated: torch.Tensor | None = (
         None  # [B*G] bool: no EOS within max_new_tokens (cut off by the budget)
     )
+    # Tools (tools.py): [B*G, C] bool, True on the tokens a tool's result forced in (attended to,
+    # out of completion_mask); [B*G] calls and errors per completion. None without tools.
+    forced: torch.Tensor | None = None
+    tool_calls: torch.Tensor | None = None
+    tool_errors: torch.Tensor | None = None
+    # A tool that hung or died (a UserError): the caller raises it, on every rank alike
+    # (train.score_or_fail_everywhere), and the run stops, saved.
+    tool_failure: Exception | None = None
 
     @property
     def prompt_length(self):
@@ -72,20 +80,26 @@ class Rollouts:
 
     @property
     def lengths(self):
-        """[B*G] completion tokens up to and including EOS (from the attention mask:
-        --mask-truncated leaves it)."""
-        return self.attention_mask[:, self.prompt_length :].sum(1)
+        """[B*G] completion tokens up to and including EOS, |o_i| (from the attention mask:
+        --mask-truncated leaves it), tool results' forced tokens not counted."""
+        within = self.attention_mask[:, self.prompt_length :].sum(1)
+        return within if self.forced is None else within - self.forced.sum(1)
 
 
-def sample_rollouts(model, tokenizer, prompts, settings, group_size, autocast_dtype=None):
+def sample_rollouts(
+    model, tokenizer, prompts, settings, group_size, autocast_dtype=None, tools=None
+):
     """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's
-    device."""
+    device. tools (tools.Tools): the completions may call them (tools.py), their results forced
+    in."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     # [B, P]
     prompt_ids, prompt_mask = tokenize_prompts(
         tokenizer, prompts, device, prompt_limit(model, settings)
     )
+    n = prompt_ids.shape[0] * group_size
+    session = None if tools is None else tools.session(tokenizer, n, settings.max_new_tokens)
     with autocast(device, autocast_dtype):
         completion_ids = decode.generate(
             model,
@@ -95,19 +109,35 @@ def sample_rollouts(model, tokenizer, prompts, settings, group_size, autocast_dt
             group_size,
             eos,
             tokenizer.pad_token_id,
+            session,
         )  # [B*G, C]
-    mask = grpo.completion_mask(completion_ids, eos)  # [B*G, C]
-    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), mask], dim=1)
-    truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=device)).any(1)  # [B*G]
+    C = completion_ids.shape[1]
+    forced = None if session is None else session.forced[:, :C].to(device)  # [B*G, C]
+    # Up to and including the first EOS the model sampled (a forced token never ends a
+    # completion): what attention sees. The loss sees its sampled tokens only.
+    sampled_ids = completion_ids if forced is None else completion_ids.masked_fill(forced, -1)
+    within = grpo.completion_mask(sampled_ids, eos)  # [B*G, C]
+    mask = within if forced is None else within * ~forced
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), within], dim=1)
+    truncated = ~torch.isin(sampled_ids, torch.tensor(eos, device=device)).any(1)  # [B*G]
     sequences = torch.cat([prompt_ids.repeat_interleave(group_size, dim=0), completion_ids], dim=1)
+    counts = {}
+    if session is not None:
+        counts = dict(
+            forced=forced,
+            tool_calls=torch.tensor(session.calls, device=device),
+            tool_errors=torch.tensor(session.errors, device=device),
+            tool_failure=session.failure,
+        )
     return Rollouts(
         sequences,
         attention_mask,
         mask,
-        completion_texts(tokenizer, completion_ids, mask),
+        completion_texts(tokenizer, completion_ids, within),
         group_size,
         settings.temperature,
         truncated,
+        **counts,
     )
 
 
@@ -254,7 +284,10 @@ def select_groups(rollouts, groups):
         attention_mask=rollouts.attention_mask[rows],
         completion_mask=rollouts.completion_mask[rows],
         texts=[rollouts.texts[i] for i in rows],
-        truncated=None if rollouts.truncated is None else rollouts.truncated[rows],
+        **{
+            name: None if getattr(rollouts, name) is None else getattr(rollouts, name)[rows]
+            for name in ("truncated", "forced", "tool_calls", "tool_errors")
+        },
     )
 
 
@@ -289,6 +322,17 @@ def concat_rollouts(parts):
         parts[0].group_size,
         parts[0].temperature,
         torch.cat([r.truncated for r in parts]),
+        **(
+            dict(
+                forced=torch.cat(
+                    [torch.nn.functional.pad(r.forced, (0, C - r.forced.shape[1])) for r in parts]
+                ),
+                tool_calls=torch.cat([r.tool_calls for r in parts]),
+                tool_errors=torch.cat([r.tool_errors for r in parts]),
+            )
+            if parts[0].forced is not None
+            else {}
+        ),
     )
 
 

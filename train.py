@@ -29,6 +29,7 @@ import data
 import grpo
 import rewards
 import sampling
+import tools
 from support import checkpoint, decode, demo, distributed, evaluation, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
@@ -63,7 +64,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
                     with phases.phase("generate"):
                         rollouts = sampling.sample_rollouts(
-                            model, tokenizer, prompts, s.sampling, G, s.autocast_dtype
+                            model, tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools
                         )
                     # 8: the rewards r_i of each o_i: [B*G], and {name: [B*G]} per function.
                     with phases.phase("rewards"):
@@ -349,9 +350,12 @@ def longest_prompt(task, tokenizer, limit):
 def score_or_fail_everywhere(task, rows, rollouts):
     """task.score on the rollouts, where a UserError (a reward function that raised, hung or
     returned NaN) on any rank stops every rank here: one all-reduce under torchrun."""
-    error = None
+    error, result = rollouts.tool_failure, None
     try:
-        result = task.score(rows, rollouts.texts, rollouts.group_size, rollouts.lengths)
+        if error is None:
+            result = task.score(
+                rows, rollouts.texts, rollouts.group_size, rollouts.lengths, rollouts.tool_calls
+            )
     except UserError as e:
         error = e
     if distributed.all_sum([error is not None])[0] > 0:
@@ -382,10 +386,10 @@ def dynamic_sampling(run, task, step, scored):
         prompts = [task.prompt(run.tokenizer, r["prompt"]) for r in more]
         with run.phases.phase("generate"):
             extra = sampling.sample_rollouts(
-                run.model, run.tokenizer, prompts, s.sampling, G, s.autocast_dtype
+                run.model, run.tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools
             )
         with run.phases.phase("rewards"):
-            parts.append((more, extra, *task.score(more, extra.texts, G, extra.lengths)))
+            parts.append((more, extra, *score_or_fail_everywhere(task, more, extra)))
         calls += 1
     kept = [(p, g) for p in parts for g in spread(p)][:want]
     log = dict(
@@ -469,6 +473,10 @@ def log_step(run, task, done, scored, updates, dynamic):
         run.scheduler,
     )
     metrics.update(dynamic)
+    if rollouts.tool_calls is not None:
+        metrics.update(
+            report.tool_metrics(gather(rollouts.tool_calls), gather(rollouts.tool_errors))
+        )
     if distributed.is_main():  # one metrics.jsonl
         report.log_step(run.log, done, run.settings.steps, s.loss.beta, metrics, list(per_fn))
     run.phases.step_logged(done, metrics)
@@ -731,7 +739,10 @@ def micro_batch_inputs(rollouts, rows):
     )
     P = rollouts.prompt_length
     first = int(attn[:, :P].any(0).nonzero()[0]) if attn[:, :P].any() else P - 1
-    keep = max(1, int(mask.sum(1).max()))
+    # up to the last column in the loss: with tools a completion's loss mask has holes (forced
+    # tokens), so its last token in the loss is not at its count of tokens in the loss
+    used = mask.any(0).nonzero()
+    keep = int(used[-1]) + 1 if len(used) else 1
     return ids[:, first : P + keep], attn[:, first : P + keep], keep
 
 
@@ -761,6 +772,7 @@ def load_task(args, task=None):
         response_prefix=args.response_prefix,
         rewards=rewards_from_flags(args, named, task.field_names),
         extract_answer=extract,
+        tools=task.tools or tools.from_flags(args),
     )
     need = Settings.of(args).prompts_per_step
     if not args.eval_only and args.steps > 0 and len(task.train) < need:

@@ -22,16 +22,24 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 
-def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
+def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None):
     """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the
     longest. lean_decode() where uses_lean_decode() allows; otherwise one generate() call
     (num_return_sequences=G, or the G best of K beams). In the autocast the caller set up, if any
-    (sampling.sample_rollouts: the run's compute dtype)."""
+    (sampling.sample_rollouts: the run's compute dtype). tools: a tools.ToolSession, whose results
+    lean_decode forces into the rows that call a tool (generate() cannot: a ValueError)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         if uses_lean_decode(model, settings):
-            out = lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
+            out = lean_decode(
+                model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools
+            )
+        elif tools is not None:
+            raise ValueError(
+                "tools need the lean decode (support/decode.py), which cannot run this model here "
+                "(beam search, FSDP, or a model transformers cannot run with a static cache)"
+            )
         else:
             beams = settings.num_beams > 1
             # 0: greedy
@@ -64,7 +72,7 @@ def uses_lean_decode(model, settings):
 
 
 @torch.no_grad()
-def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
+def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None):
     """The lean decode path, a short loop over the model's forward in place of generate():
     [B*G, C] completions, pad after EOS, C <= max_new_tokens the longest.
       - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never
@@ -74,7 +82,10 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
       - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished
         rows cost nothing. Compiled (compile_model), shapes stay fixed instead: the rows are
         padded to a planned count (plan_decode), and finished rows run on, writing pad, until all
-        are done."""
+        are done.
+    tools (a tools.ToolSession): a row with tool-result tokens queued takes the next one instead of
+    its sample (forced tokens are data, not new shapes); a forced token never ends a row; after
+    each step the session looks for calls in what the rows sampled and queues their results."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
     if compiled is None:
@@ -118,8 +129,13 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
             [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
         )
         token = sample_tokens(logits, settings, uniforms[rows])[0]
+        forced = None
+        if tools is not None:  # rows with a tool result to write take its next token instead
+            token, forced = tools.force(rows, token, t)
         completions[rows, t] = token.masked_fill(done, pad_id)
-        ended = torch.isin(token, eos)
+        ended = torch.isin(token, eos) if forced is None else torch.isin(token, eos) & ~forced
+        if tools is not None:  # calls closed at this step run now, their results queued
+            tools.observe(rows, token, forced, done | ended, t)
         if compiled is not None:
             done |= ended
         elif ended.any():  # they leave the batch

@@ -78,11 +78,17 @@ def evaluate(
             # FSDP2: join in
             prompts = [task.prompt(tokenizer, row["prompt"]) for row in chunk or every[:1]]
             rollouts = sampling.sample_rollouts(
-                model, tokenizer, prompts, settings, samples, autocast_dtype
+                model, tokenizer, prompts, settings, samples, autocast_dtype, task.tools
             )
+            if rollouts.tool_failure is not None:
+                raise rollouts.tool_failure
             if chunk:
-                total, per_fn = task.score(chunk, rollouts.texts, samples, rollouts.lengths)
+                total, per_fn = task.score(
+                    chunk, rollouts.texts, samples, rollouts.lengths, rollouts.tool_calls
+                )
                 chunks.append({**per_fn, "reward": total})
+                if task.tools is not None:  # means only: no pass@k or maj@k of these
+                    chunks[-1].update(tool_columns(rollouts))
                 if task.extract_answer is not None and samples > 1:
                     # each question's representative completion for maj@k: [questions]
                     chunks[-1][MAJORITY] = majority_choices(
@@ -105,7 +111,8 @@ def evaluate(
         name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]
     }
     choice = table.pop(MAJORITY, None)  # [Q, k]: each row its index k times
-    result = {name: r.mean().item() for name, r in table.items()}
+    result = {name: table.pop(name).mean().item() for name in TOOL_COLUMNS if name in table}
+    result.update({name: r.mean().item() for name, r in table.items()})
     if samples > 1:
         result.update(
             {f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()}
@@ -121,6 +128,15 @@ def evaluate(
 
 
 MAJORITY = "__majority__"  # evaluate's table: each question's maj@k completion
+# the tool calls per completion, the share of completions that call a tool, tool errors per
+# completion (tools.py)
+TOOL_COLUMNS = ("tool_calls", "tool_use", "tool_errors")
+
+
+def tool_columns(rollouts):
+    """{TOOL_COLUMNS name: [N] float} of rollouts sampled with tools."""
+    calls = rollouts.tool_calls.float()
+    return dict(zip(TOOL_COLUMNS, (calls, (calls > 0).float(), rollouts.tool_errors.float())))
 
 
 def majority_choices(task, responses, k):

@@ -255,6 +255,17 @@ def step_metrics(
     )
 
 
+def tool_metrics(calls, errors):
+    """The step's tool use, from each completion's tool calls and tool errors [N]: calls per
+    completion, the share of completions with at least one call, errors per completion."""
+    calls = calls.float()
+    return dict(
+        tool_calls=calls.mean().item(),
+        tool_use=(calls > 0).float().mean().item(),
+        tool_errors=errors.float().mean().item(),
+    )
+
+
 def log_step(log, step, steps, beta, m, reward_names):
     """Step `step` (of `steps`) on the progress line and in the log; the KL only when β > 0."""
     per_fn = " ".join(
@@ -270,6 +281,12 @@ def log_step(log, step, steps, beta, m, reward_names):
             f" | dynamic: {m['dynamic_groups']} groups kept, {m['dynamic_dropped']} dropped, {m['dynamic_calls']} "
             "generate calls"
             if "dynamic_calls" in m
+            else ""
+        )
+        + (
+            f" | tools {m['tool_calls']:.2f}/completion, {m['tool_use']:.0%} call, "
+            f"{m['tool_errors']:.2f} errors"
+            if "tool_calls" in m
             else ""
         )
         + (

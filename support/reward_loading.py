@@ -100,10 +100,15 @@ def check_signature(name, fn, fields):
             f"float per completion; its signature is {name}{inspect.signature(fn)}."
         )
     for p in positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]:
-        if p.default is p.empty and p.name not in ("prompts", "completion_lengths", *fields):
+        if p.default is p.empty and p.name not in (
+            "prompts",
+            "completion_lengths",
+            "tool_calls",
+            *fields,
+        ):
             raise UserError(
                 f"reward function {name!r} requires the argument {p.name!r}, which is neither `prompts`, "
-                f"`completion_lengths` nor a field of the data rows (fields: "
+                f"`completion_lengths`, `tool_calls` nor a field of the data rows (fields: "
                 f"{', '.join(fields) or 'none'})."
             )
 

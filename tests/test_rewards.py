@@ -384,6 +384,7 @@ def test_reward_functions_get_prompts_and_the_rows_fields_they_declare_aligned_w
         "prompts": ["q0", "q0", "q1", "q1"],
         "id": [7, 7, 8, 8],
         "tag": ["a", "a", None, None],
+        "tool_calls": [0, 0, 0, 0],  # no tools: none
     }
     assert total.tolist() == [2.0] * 4 and per_fn["plain"].tolist() == [2.0] * 4
 
@@ -402,7 +403,7 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
         (
             "wants_topic",
             "requires the argument 'topic', which is neither `prompts`, "
-            "`completion_lengths` nor a field of the data rows (fields: id)",
+            "`completion_lengths`, `tool_calls` nor a field of the data rows (fields: id)",
         ),
         ("one_arg", "must take two arguments, (completions, answers)"),
     ]:
