@@ -345,6 +345,10 @@ DEMO_DEFAULTS = dict(
     sample_every=50,
 )
 
+# --demo --tool calculator (support/demo.py): completions of up to 13 tokens, and a longer warm-up
+# (copying the call's numbers and the result is what it must learn)
+DEMO_TOOL_DEFAULTS = dict(max_new_tokens=16, demo_warmup_steps=800)
+
 
 # --task addition (docs/results.md): SmolLM2-135M-Instruct on the 2-core CPU, about 20 s a step.
 # 4 questions x G=8 per step at T = 0.7 without top-k/top-p (the evaluation's sampling: at T = 1
@@ -380,6 +384,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     builtin = args.task in ("addition", "multiplication")
     defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if builtin else {}
+    if args.demo and args.tool:
+        defaults = {**defaults, **DEMO_TOOL_DEFAULTS}
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)

@@ -793,7 +793,10 @@ def setup(args, resume_dir=None):
     fits = functools.partial(models.check_context, args.max_new_tokens, args.max_prompt_length)
     if args.demo:
         seed, steps, target = args.seed, args.demo_warmup_steps, args.demo_target_accuracy
-        model, tokenizer, task = demo.setup(seed, steps, target)
+        if args.tool:  # the tool demo: sums beyond the tiny model's head, and the calculator
+            model, tokenizer, task = demo.tool_setup(seed, steps)
+        else:
+            model, tokenizer, task = demo.setup(seed, steps, target)
         fits(model.config, "the demo's model")
         return load_task(args, task), model, tokenizer
     task = load_task(args)

@@ -142,3 +142,88 @@ def accuracy(model, tokenizer, problems):
     logps = torch.log_softmax(model(input_ids=ids).logits[:, 2:-1].float(), -1)
     model.train(was_training)
     return logps.gather(-1, ids[:, 3:, None]).sum((1, 2)).exp().mean().item()
+
+
+# --demo --tool calculator: sums of two numbers in [0, 99], whose answers (0-198) are words of the
+# vocabulary but out of reach of the tiny model's head: it can copy the calculator's result, not
+# compute it. The warm-up shows the call in TOOL_SHARE of its examples and the bare answer in the
+# rest, so GRPO starts from a model that calls the tool now and then; the rise in calls and
+# correctness after that is GRPO's.
+TOOL_WORDS = WORDS[:7] + ["<tool>", "</tool>", "<result>", "</result>", "calculator"]
+TOOL_WORDS += [str(n) for n in range(199)]
+TOOL_SHARE = 0.5
+TOOL_HELD_OUT = 200
+
+
+def tool_problems(seed=0):
+    """(train, held-out) problems {"prompt": "a + b =", "answer": "a+b"}: all 10,000 pairs of
+    [0, 99], TOOL_HELD_OUT of them held out."""
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+    return rows[TOOL_HELD_OUT:], rows[:TOOL_HELD_OUT]
+
+
+def tool_completion(problem, call):
+    """The right completion, with the calculator's call and its result, or the bare answer."""
+    a, _, b, _ = problem["prompt"].split()
+    answer = f"<answer> {problem['answer']} </answer> <eos>"
+    if not call:
+        return answer
+    return f"<tool> calculator {a} + {b} </tool> <result> {problem['answer']} </result> {answer}"
+
+
+def tool_examples(tokenizer, problems, call):
+    """Token ids [n, 4 + length] of prompt + right completion and labels: the prompt and the
+    forced result (<result> S </result>) masked out (-100), as GRPO's loss masks them."""
+    texts = [f"{p['prompt']} {tool_completion(p, call)}" for p in problems]
+    ids = tokenizer(texts, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    labels = ids.clone()
+    labels[:, :4] = -100
+    if call:
+        labels[:, 10:13] = -100  # <result> S </result>: the tool's, not the model's
+    return ids, labels
+
+
+def tool_setup(seed, warmup_steps, batch_size=64, lr=3e-3):
+    """--demo --tool calculator's model (warmed up: `warmup_steps` supervised steps on a mix of
+    TOOL_SHARE calls and bare answers), tokenizer and task (the calculator's tools come from the
+    flags)."""
+    torch.set_num_threads(1)
+    model = tiny_llama(
+        len(TOOL_WORDS), seed, hidden_size=128, intermediate_size=256, max_position_embeddings=512
+    )
+    tokenizer = word_tokenizer(TOOL_WORDS)
+    train, held_out = tool_problems(seed)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    with_call = tool_examples(tokenizer, train, True)
+    bare = tool_examples(tokenizer, train, False)
+    for _ in range(warmup_steps):
+        model.train()
+        calls = int((torch.rand(batch_size, generator=gen) < TOOL_SHARE).sum())
+        loss = 0.0
+        for (ids, labels), n in ((with_call, calls), (bare, batch_size - calls)):
+            if n:
+                idx = torch.randint(len(train), (n,), generator=gen)
+                loss = loss + model(input_ids=ids[idx], labels=labels[idx]).loss * n / batch_size
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    print(
+        f"demo: a {sum(p.numel() for p in model.parameters()):,}-parameter Llama over "
+        f"{len(TOOL_WORDS)} words; {warmup_steps} supervised warm-up steps, {TOOL_SHARE:.0%} of "
+        "them calling the calculator",
+        flush=True,
+    )
+    task = data.Task(
+        train=train,
+        eval=held_out,
+        template=lambda tokenizer, question: question,
+        rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
+        extract_answer=rewards.extract_answer,
+        train_from=f"{len(train)} sums a + b of a, b in [0, 99]",
+        eval_from=f"{len(held_out)} other sums (never trained on)",
+    )
+    return model, tokenizer, task

@@ -3,6 +3,9 @@ tokens, and the bugs other trainers shipped here, each by its numbers. No downlo
 over a word-level vocabulary, scripted by a forward hook so that it writes a chosen exchange."""
 
 import copy
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -15,7 +18,8 @@ import grpo
 import sampling
 import tools
 import train
-from support import demo
+from helpers import ROOT, assert_same_run, read_metrics
+from support import checkpoint, demo
 from support.errors import UserError
 from support.worker import Worker
 
@@ -273,3 +277,76 @@ def test_tools_under_cpu_autocast_give_the_same_exchange_and_a_finite_loss(dtype
         logps = sampling.token_logprobs(model, r.input_ids, r.attention_mask, 9, group_size=2)
     loss = grpo.grpo_loss(logps, None, None, torch.tensor([1.0, -1.0]), r.completion_mask, beta=0)
     assert torch.isfinite(loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tool demo end to end (slow: its warm-up alone is about 30 s on a 2-core CPU).
+
+HANGING_CALCULATOR = """
+from support.calculator import calculator as exact
+
+calls = 0
+
+
+def calculator(arguments):
+    global calls
+    calls += 1
+    if calls > 150:  # a few steps in (each step makes 30-130 calls): hangs, deaf to SIGTERM
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    return exact(arguments)
+"""
+
+
+def train_py(cwd, *argv):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_the_tool_demo_learns_to_call_the_calculator_on_held_out_sums(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--demo", "--tool", "calculator", "--steps", "40", "--eval-every", "40"]
+    code, stdout, err = train_py(tmp_path, *argv, "--output-dir", str(out))
+    assert code == 0, err
+    before, after = [row for row in read_metrics(out) if "eval/correctness" in row]
+    print(before, after)
+    # measured (seed 0, 2026-11-25): tool use 0.25 -> 0.98, correctness 0.28 -> 0.79 at step 50
+    # of 150; the bars leave room for another machine's float order
+    assert before["eval/tool_use"] < 0.5 and after["eval/tool_use"] > 0.8
+    assert after["eval/correctness"] - before["eval/correctness"] > 0.3
+    assert "tools 0." in stdout or "tools 1." in stdout  # the progress line's tool use
+
+
+@pytest.mark.slow
+def test_a_tool_that_hangs_mid_run_stops_it_naming_the_tool_saved(tmp_path):
+    (tmp_path / "my_tools.py").write_text(HANGING_CALCULATOR)
+    out = tmp_path / "run"
+    argv = ["--demo", "--tool", "my_tools:calculator", "--tool-timeout", "2", "--steps", "30"]
+    code, _, err = train_py(tmp_path, *argv, "--eval-every", "-1", "--output-dir", str(out))
+    assert code == 2, err
+    assert "tool 'calculator' (my_tools:calculator) did not return within --tool-timeout 2 s" in err
+    step = checkpoint.load_state(str(out / "checkpoint"))["step"]
+    assert 1 <= step < 30 and len(read_metrics(out)) == step
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_a_deterministic_tool(tmp_path):
+    argv = ["--demo", "--tool", "calculator", "--eval-every", "-1", "--demo-warmup-steps", "200"]
+    argv += ["--lr-scheduler", "constant"]  # a run cut at step 2 then has the same schedule
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_py(tmp_path, *argv, "--steps", "4", "--output-dir", str(straight))[0] == 0
+    assert train_py(tmp_path, *argv, "--steps", "2", "--output-dir", str(resumed))[0] == 0
+    code, _, err = train_py(
+        tmp_path, *argv, "--steps", "4", "--output-dir", str(resumed), "--resume"
+    )
+    assert code == 0, err
+    assert_same_run(straight, resumed)
