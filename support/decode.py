@@ -36,9 +36,12 @@ def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_
                 model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools
             )
         elif tools is not None:
-            raise ValueError(
-                "tools need the lean decode (support/decode.py), which cannot run this model here "
-                "(beam search, FSDP, or a model transformers cannot run with a static cache)"
+            from support.errors import UserError
+
+            raise UserError(
+                "--tool needs the lean decode (support/decode.py) to write a tool's result into a "
+                "completion, and this model cannot take it: transformers cannot run it with a "
+                "static cache. Drop --tool, or use a model that can (Llama, Qwen, Mistral, ...)."
             )
         else:
             beams = settings.num_beams > 1

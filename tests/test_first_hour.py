@@ -47,7 +47,7 @@ def as_run_here(command):
 
 def test_the_readme_has_its_demo_commands_where_the_walk_expects_them():
     commands = readme_demo_commands()
-    assert [c[0] for c in commands] == ["python", "python", "torchrun"]
+    assert [c[0] for c in commands] == ["python", "python", "python", "torchrun"]
     assert commands[0] == ["python", "train.py", "--demo"]  # the quickstart's, first
 
 
@@ -66,7 +66,7 @@ def test_every_readme_demo_command_runs_as_typed_in_order_in_one_directory(tmp_p
         )
         assert done.returncode == 0, (command, done.stderr[-2000:])
     runs = sorted(os.listdir(tmp_path / "runs"))
-    assert len(runs) == 3 and all(re.fullmatch(r"demo(-lora)?-\d{8}-\d{6}(-\d+)?", r) for r in runs)
+    assert len(runs) == 4 and all(re.fullmatch(r"demo(-lora)?-\d{8}-\d{6}(-\d+)?", r) for r in runs)
 
 
 def test_a_new_run_gets_a_new_directory_and_a_suffix_when_the_second_is_taken(

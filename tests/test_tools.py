@@ -350,3 +350,19 @@ def test_resume_is_exact_with_a_deterministic_tool(tmp_path):
     )
     assert code == 0, err
     assert_same_run(straight, resumed)
+
+
+@pytest.mark.slow
+def test_a_compiled_decode_forces_the_same_tokens():
+    # forced tokens are data: the compiled step (fixed shapes) writes the exchange as eager does
+    model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
+    sampling.compile_model(model, backend="eager")
+    handle = scripted(model, EXCHANGE)
+    toolbox = tools.Tools({"calc": lambda arguments: "12 12"})
+    r = sampling.sample_rollouts(
+        model, tok, ["q"], sampling.Sampling(1.0, 0, 1.0, 12), 2, tools=toolbox
+    )
+    handle.remove()
+    words = "<tool> calc </tool> <result> 12 12 </result> 12 <eos>".split()
+    assert r.input_ids[0, r.prompt_length :].tolist() == [ID[w] for w in words]
+    assert r.completion_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
