@@ -63,9 +63,7 @@ class Tools:
                 result = fn.call((arguments.strip(),), {}, self.timeout)
             else:
                 result = fn(arguments.strip())
-        except UserError:
-            raise
-        except KeyboardInterrupt:
+        except UserError:  # the worker's own verdict on user code: the run stops
             raise
         except Exception as e:
             failed = tool_failure(name, fn, e, self.timeout)

@@ -90,16 +90,26 @@ def setup(seed, warmup_steps, target_accuracy):
         f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}",
         flush=True,
     )
-    task = data.Task(
-        train=problems,
-        eval=problems,
+    task = demo_task(
+        problems,
+        problems,
+        f"the demo's {len(problems)} problems",
+        f"the demo's {len(problems)} problems (the ones it trains on)",
+    )
+    return model, tokenizer, task
+
+
+def demo_task(train, held_out, train_from, eval_from):
+    """A demo's task: its problems as they are (no template), scored by correctness_reward."""
+    return data.Task(
+        train=train,
+        eval=held_out,
         template=lambda tokenizer, question: question,
         rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
         extract_answer=rewards.extract_answer,
-        train_from=f"the demo's {len(problems)} problems",
-        eval_from=f"the demo's {len(problems)} problems (the ones it trains on)",
+        train_from=train_from,
+        eval_from=eval_from,
     )
-    return model, tokenizer, task
 
 
 def examples(tokenizer, problems):
@@ -159,7 +169,6 @@ def tool_problems(seed=0):
     """(train, held-out) problems {"prompt": "a + b =", "answer": "a+b"}: all 10,000 pairs of
     [0, 99], TOOL_HELD_OUT of them held out."""
     pairs = [(a, b) for a in range(100) for b in range(100)]
-    torch.Generator().manual_seed(seed)
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
     rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
     return rows[TOOL_HELD_OUT:], rows[:TOOL_HELD_OUT]
@@ -217,13 +226,10 @@ def tool_setup(seed, warmup_steps, batch_size=64, lr=3e-3):
         "them calling the calculator",
         flush=True,
     )
-    task = data.Task(
-        train=train,
-        eval=held_out,
-        template=lambda tokenizer, question: question,
-        rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
-        extract_answer=rewards.extract_answer,
-        train_from=f"{len(train)} sums a + b of a, b in [0, 99]",
-        eval_from=f"{len(held_out)} other sums (never trained on)",
+    task = demo_task(
+        train,
+        held_out,
+        f"{len(train)} sums a + b of a, b in [0, 99]",
+        f"{len(held_out)} other sums (never trained on)",
     )
     return model, tokenizer, task
