@@ -24,7 +24,14 @@ __all__ = [
     "group_advantages",
     "process_advantages",
     "completion_mask",
+    "high_entropy_mask",
+    "off_policy_mask",
+    "sampler_weights",
+    "sampler_mismatch",
 ]
+
+SURROGATES = ("clip", "cispo", "sapo")
+SAMPLER_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref):
 # the loss would be inf and the update skipped. Bounded at 20 (a ratio of 4.9e8, far beyond any
@@ -48,6 +55,14 @@ def grpo_loss(
     normalizer=None,
     ratio_level="token",
     delta=None,
+    surrogate="clip",
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
+    entropy=None,
+    top_entropy=1.0,
+    off_policy_threshold=None,
+    behavior_logps=None,
+    weights=None,
     stats=None,
 ):
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
@@ -70,13 +85,44 @@ def grpo_loss(
     delta:     dual clip (INTELLECT-2, arXiv 2505.07291), None: off. Where Â < 0, min(r Â,
                clip(r) Â) falls without bound as r grows (r = 10, Â = -1: -10); min(r, δ) stops it
                at δ Â (δ > 1 + ε_high).
+    surrogate: the policy term, per token:
+               "clip"  min(r Â, clip(r, 1-ε, 1+ε_high) Â) (eq. 3, PPO's clipped surrogate);
+               "cispo" sg(min(r, 1+ε_high)) Â log π_θ (MiniMax-M1, arXiv 2506.13585: the weight is
+                       clipped and stopped, so every token keeps a gradient; ε is unused, as the
+                       paper ran it: no lower bound);
+               "sapo"  σ(τ (r - 1)) · 4/τ · Â, τ = sapo_tau_pos where Â > 0, else sapo_tau_neg
+                       (SAPO, arXiv 2511.20347: a soft gate for the hard clip; ε, ε_high unused).
+               delta applies to "clip" only.
+    entropy, top_entropy: [N, T] H(π_θ(· | q, o_<t)) and ρ: the policy term keeps only the tokens
+               whose entropy is in the top ρ of this call's unmasked tokens (high_entropy_mask;
+               Wang et al., arXiv 2506.01939); ρ = 1: off. The KL term keeps every token.
+    off_policy_threshold: DeepSeek-V3.2's off-policy sequence mask: a completion with Â < 0 whose
+               mean log(π_behavior / π_θ) exceeds it gets no policy term (off_policy_mask);
+               None: off.
+    behavior_logps: [N, T] log-probs of the policy the tokens were drawn from, for that mask
+               (the sampler's, where kept); default: π_old's.
+    weights:   [N, T] or [N, 1] importance weights π_old / π_sampler that multiply each token's
+               policy term (sampler_weights: the sampler-trainer mismatch correction); None: 1.
     stats: optional dict, filled with detached sums over this batch's unmasked tokens: "tokens",
-               "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
+               "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's and CISPO's cap
+               included; 0 for SAPO, which has no hard clip), "ratio" (Σ r), "entropy_dropped"
+               (tokens out of the top ρ), "sequences", "off_policy" (completions the sequence mask
+               dropped).
     """
     if loss_type not in ("grpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    if surrogate not in SURROGATES:
+        raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
+    if delta is not None and surrogate != "clip":
+        raise ValueError(
+            f"delta (the dual clip) applies to surrogate='clip' only, got {surrogate!r}"
+        )
+    if not 0 <= top_entropy <= 1:
+        raise ValueError(f"top_entropy must be in [0, 1], got {top_entropy}")
+    if top_entropy < 1 and entropy is None:
+        raise ValueError("top_entropy < 1 needs the per-token entropy")
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps is None but beta != 0: the KL term needs reference log-probs")
     # Each term of eq. 3 on its own line, its symbols aligned beside it.
@@ -90,9 +136,25 @@ def grpo_loss(
         log_ratio = torch.where(m, seq.expand_as(log_ratio), 0.0)
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))                    # r_{i,t} = π_θ / π_old
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)           # clip(r, 1-ε, 1+ε_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)    # r, or min(r, δ) with the dual clip
-    objective = torch.min(unclipped * adv, clipped_ratio * adv)             # min(r Â, clip(r) Â)
+    if surrogate == "clip":
+        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)       # clip(r, 1-ε, 1+ε_high)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # r, or min(r, δ) with the dual clip
+        objective = torch.min(unclipped * adv, clipped_ratio * adv)         # min(r Â, clip(r) Â)
+    elif surrogate == "cispo":
+        weight = torch.clamp(ratio, max=1 + eps_high).detach()              # CISPO: sg(r̂), r̂ = min(r, 1+ε_high)
+        objective = weight * adv * logps                                     # sg(r̂) Â log π_θ
+    else:
+        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)              # SAPO: τ+ where Â > 0, else τ-
+        objective = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv         # σ(τ (r - 1)) · 4/τ · Â
+    if off_policy_threshold is not None:                                     # DeepSeek-V3.2: Â < 0 and far off-policy: 0
+        behavior = old if behavior_logps is None else behavior_logps
+        keep = off_policy_mask(advantages, logps, behavior, m, off_policy_threshold)
+        objective = objective * keep
+    if top_entropy < 1:                                                      # only the top-ρ tokens by entropy
+        high = high_entropy_mask(entropy, m, top_entropy)
+        objective = objective * high
+    if weights is not None:                                                  # × π_old / π_sampler (mismatch correction)
+        objective = objective * weights
     if beta != 0:
         log_ref_ratio = torch.where(m, ref_logps - logps, 0.0).clamp(max=MAX_LOG_RATIO)  # log(π_ref / π_θ)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0
@@ -105,10 +167,24 @@ def grpo_loss(
     # fmt: on
     if stats is not None:
         with torch.no_grad():
-            clip_active = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))
-            if delta is not None:
-                clip_active |= (ratio > delta) & (adv < 0)
+            if surrogate == "clip":
+                high_clip, low_clip = (
+                    (ratio > 1 + eps_high) & (adv > 0),
+                    (ratio < 1 - epsilon) & (adv < 0),
+                )
+                clip_active = high_clip | low_clip
+                if delta is not None:
+                    clip_active |= (ratio > delta) & (adv < 0)
+            elif surrogate == "cispo":
+                clip_active = ratio > 1 + eps_high
+            else:
+                clip_active = torch.zeros_like(m)
             stats["tokens"] = m.sum().item()
+            stats["sequences"] = (m.sum(1) > 0).sum().item()
+            stats["entropy_dropped"] = (m & ~high).sum().item() if top_entropy < 1 else 0
+            stats["off_policy"] = (
+                ((keep == 0) & m).any(1).sum().item() if off_policy_threshold is not None else 0
+            )
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
             stats["clipped"] = (clip_active & m).sum().item()
             stats["ratio"] = ratio.masked_fill(~m, 0).sum().item()
@@ -212,3 +288,69 @@ def completion_mask(completion_ids, eos_token_id):
     is_eos = torch.isin(completion_ids, eos).long()  # [N, T]
     eos_before = is_eos.cumsum(dim=1) - is_eos  # EOS tokens strictly before t
     return (eos_before == 0).long()
+
+
+def high_entropy_mask(entropy, mask, rho):
+    """[N, T] bool: the unmasked tokens whose entropy is at least the (1 - ρ) quantile of the
+    unmasked tokens' entropies ("Beyond the 80/20 Rule", Wang et al., arXiv 2506.01939: the policy
+    gradient through the top ρ = 0.2 of tokens by entropy). The quantile interpolates linearly
+    (torch.quantile), as TRL's top_entropy_quantile does; a token tied with the threshold is kept,
+    so ties can keep more than a share ρ. ρ = 0 keeps the highest-entropy tokens only, ρ = 1 all."""
+    m = mask.bool()
+    values = entropy[m].float()
+    if values.numel() == 0:
+        return m
+    threshold = torch.quantile(values, 1 - rho)
+    return (entropy >= threshold) & m
+
+
+def off_policy_mask(advantages, logps, behavior_logps, mask, threshold):
+    """[N, 1] (or [N, T] with per-token advantages) 0/1: DeepSeek-V3.2's off-policy sequence mask
+    (arXiv 2512.02556, eq. 9). A completion is dropped where its advantage is negative and its
+    mean log(π_behavior / π_θ) over its tokens (an estimate of KL(π_behavior || π_θ) from its own
+    samples) exceeds the threshold: a negative update from samples the policy has moved away from
+    is the one that destabilizes training. Kept (1) otherwise. No gradient flows through it."""
+    m = mask.bool()
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    gap = torch.where(m, behavior_logps - logps.detach(), 0.0)
+    kl = gap.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
+    return ((adv >= 0) | (kl <= threshold)).to(logps.dtype)
+
+
+def sampler_weights(old_logps, sampler_logps, mask, mode="token_truncate", low=0.0, high=3.0):
+    """Importance weights w = π_old / π_sampler for the sampler-trainer mismatch: the tokens were
+    drawn by one numerical path (the decode: a KV cache, another kernel, another dtype) and are
+    trained on through another (the training forward), whose log-probs π_old are the ones the
+    ratio uses. Truncated importance sampling (Yao et al., "Your efficient RL framework secretly
+    brings you off-policy RL training", 2025) and TRL's vllm_importance_sampling_mode:
+      token_truncate     w_t = clamp(π_old/π_sampler, low, high), per token
+      token_mask         w_t = π_old/π_sampler, or 0 where it is outside [low, high]
+      sequence_truncate  w_i = clamp(Π_t π_old/π_sampler, low, high), one per completion
+      sequence_mask      w_i = Π_t π_old/π_sampler, or 0 outside [low, high]
+    old_logps, sampler_logps, mask [N, T]; the masked tokens count as ratio 1. Returns
+    (weights [N, T] or [N, 1], no grad; [same] bool: where they were truncated or masked)."""
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"mode must be one of {SAMPLER_MODES}, got {mode!r}")
+    with torch.no_grad():
+        log_w = torch.where(mask.bool(), old_logps - sampler_logps, 0.0)  # log π_old/π_sampler
+        if mode.startswith("sequence"):
+            log_w = log_w.sum(1, keepdim=True)  # Σ_t: the completion's ratio
+        w = torch.exp(log_w)
+        outside = (w < low) | (w > high)
+        if mode.endswith("truncate"):
+            return w.clamp(low, high), outside
+        return w.masked_fill(outside, 0.0), outside
+
+
+def sampler_mismatch(trainer_logps, sampler_logps, mask):
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's for the same
+    weights and the same distribution (the full softmax at the sampling temperature): (mean k3
+    estimate of KL(π_sampler || π_trainer) over the unmasked tokens, the largest token ratio
+    max(π_trainer/π_sampler, π_sampler/π_trainer) >= 1), or None without unmasked tokens. Exactly
+    (0, 1) when both paths compute the same numbers."""
+    m = mask.bool()
+    if not m.any():
+        return None
+    log_r = (trainer_logps - sampler_logps).double()[m]  # log π_trainer / π_sampler
+    k3 = torch.exp(log_r) - log_r - 1  # ≥ 0, samples from π_sampler
+    return k3.mean().item(), torch.exp(log_r.abs().max()).item()

@@ -14,7 +14,17 @@ import math
 import pytest
 import torch
 
-from grpo import completion_mask, group_advantages, grpo_loss, loss_denominator, process_advantages
+from grpo import (
+    completion_mask,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    loss_denominator,
+    off_policy_mask,
+    process_advantages,
+    sampler_mismatch,
+    sampler_weights,
+)
 
 TOL = 1e-6  # see the docstring
 
@@ -476,3 +486,254 @@ def test_a_token_far_off_policy_or_far_from_the_reference_keeps_loss_and_gradien
     assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
     # k3 at the bound: e^20 - 20 - 1 for token 0, 0 for token 1; loss = β k3 / 2
     assert loss.item() == pytest.approx(0.04 * (math.exp(20.0) - 21) / 2, rel=1e-6)
+
+
+# ---------------------------------------------------------------- CISPO (MiniMax-M1): J = sg(r̂) Â
+# log π_θ, r̂ = min(r, 1 + ε_high); its gradient is r̂ Â for every token, clipped or not
+@pytest.mark.parametrize(
+    "ratio, advantage, epsilon_high, expected",
+    [
+        (1.5, 1.0, None, (0.486558, 1.2)),  # capped at 1 + ε = 1.2: 1.2 ln 1.5, gradient still 1.2
+        (1.1, 0.7, None, (0.073389, 0.77)),  # under the cap: 1.1 · 0.7 · ln 1.1
+        (0.5, -1.0, None, (0.346574, -0.5)),  # no lower bound (the paper's ε_low unused)
+        (1.5, -1.0, None, (-0.486558, -1.2)),  # the cap holds for Â < 0 too
+        (6.0, 1.0, 4.0, (8.958797, 5.0)),  # ε_high 4 (TRL's epsilon_high 5.0): 5 ln 6
+        (1.5, 1.0, 4.0, (0.608198, 1.5)),
+    ],
+)
+def test_cispo_clips_the_weight_and_keeps_the_gradient(ratio, advantage, epsilon_high, expected):
+    got = one_token_objective(ratio, advantage, surrogate="cispo", epsilon_high=epsilon_high)
+    assert got == pytest.approx(expected, abs=TOL)
+
+
+# ---------------------------------------------------------------- SAPO: J = σ(τ (r - 1)) 4/τ Â,
+# dJ/dlog π = 4 r σ (1 - σ) Â; τ+ = 1 where Â > 0, τ- = 1.05 where Â <= 0
+@pytest.mark.parametrize(
+    "ratio, advantage, expected",
+    [
+        (1.0, 1.0, (2.0, 1.0)),  # on-policy: the gradient is Â, as eq. 3's
+        (1.0, -1.0, (-1.904762, -1.0)),  # -4 σ(0) / 1.05, gradient -1
+        (1.5, 1.0, (2.489837, 1.410022)),
+        (3.0, 1.0, (3.523188, 1.259923)),  # far past any clip: damped, not cut to 0
+        (0.5, -1.0, (-1.415938, -0.46707)),
+        (1.5, -1.0, (-2.393585, -1.40121)),
+    ],
+)
+def test_sapo_soft_gate_values_and_gradients(ratio, advantage, expected):
+    got = one_token_objective(ratio, advantage, surrogate="sapo")
+    assert got == pytest.approx(expected, abs=TOL)
+
+
+def two_completions(ratios, advantages, lengths, **kwargs):
+    """J and dJ/dlog π_θ [N, T] for completions whose tokens have the given ratios (π_old = 1)."""
+    T = max(lengths)
+    r = torch.tensor([row + [1.0] * (T - len(row)) for row in ratios], dtype=torch.float64)
+    logps = torch.log(r).requires_grad_()
+    mask = torch.tensor([[1 if t < n else 0 for t in range(T)] for n in lengths])
+    kwargs = {"beta": 0.0, **kwargs}
+    loss = grpo_loss(
+        logps,
+        torch.zeros_like(r),
+        kwargs.pop("ref", None),
+        torch.tensor(advantages, dtype=torch.float64),
+        mask,
+        **kwargs,
+    )
+    loss.backward()
+    return -loss.item(), -logps.grad
+
+
+def test_cispo_batch_with_capped_and_free_tokens_under_dapo_aggregation():
+    # Tokens (1.5, 1.1, 0.5) with Â = 1, then (0.5, 1.0) with Â = -1; cap 1.2; DAPO divides by 5.
+    value, grad = two_completions(
+        [[1.5, 1.1, 0.5], [0.5, 1.0]], [1.0, -1.0], [3, 2], surrogate="cispo", loss_type="dapo"
+    )
+    per_token = [1.2 * math.log(1.5), 1.1 * math.log(1.1), 0.5 * math.log(0.5)]
+    per_token += [-0.5 * math.log(0.5), -1.0 * math.log(1.0)]
+    assert value == pytest.approx(sum(per_token) / 5, abs=TOL)
+    assert value == pytest.approx(0.118280, abs=TOL)  # (0.486558 + 0.104841 + 0) / 5
+    expected = torch.tensor([[1.2, 1.1, 0.5], [-0.5, -1.0, 0.0]], dtype=torch.float64) / 5
+    assert torch.allclose(grad, expected, atol=TOL)
+
+
+def test_sapo_batch_under_grpo_aggregation_with_kl():
+    # (1.5, 1.0) with Â = 1 and (0.5) with Â = -1; β = 0.1 with π_ref = π_old: the KL term is
+    # k3 at x = -log r, untouched by the gate.
+    ref = torch.zeros(2, 2, dtype=torch.float64)
+    value, grad = two_completions(
+        [[1.5, 1.0], [0.5]], [1.0, -1.0], [2, 1], surrogate="sapo", beta=0.1, ref=ref
+    )
+
+    def k3(r):
+        return 1 / r + math.log(r) - 1
+
+    first = (2.489837 - 0.1 * k3(1.5) + 2.0 - 0.1 * k3(1.0)) / 2
+    second = -1.415938 - 0.1 * k3(0.5)
+    assert value == pytest.approx((first + second) / 2, abs=TOL)
+    # dk3/dlog π = 1 - 1/r; each completion's tokens over its length, then over N = 2
+    expected = torch.tensor(
+        [
+            [(1.410022 - 0.1 * (1 - 1 / 1.5)) / 2, (1.0 - 0.0) / 2],
+            [-0.46707 - 0.1 * (1 - 1 / 0.5), 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    assert torch.allclose(grad, expected / 2, atol=TOL)
+
+
+def test_surrogate_and_delta_are_checked():
+    with pytest.raises(ValueError, match="surrogate"):
+        one_token_objective(1.0, 1.0, surrogate="ppo")
+    with pytest.raises(ValueError, match="delta"):
+        one_token_objective(1.0, 1.0, surrogate="cispo", delta=2.0)
+
+
+# ---------------------------------------------------------------- the top-ρ tokens by entropy
+def test_high_entropy_mask_quantile_on_ties_keeps_every_tied_token():
+    entropy = torch.tensor([[0.1, 0.5, 0.5, 0.5, 0.9]])
+    mask = torch.ones(1, 5)
+    # ρ = 0.4: the 0.6 quantile of (0.1, 0.5, 0.5, 0.5, 0.9) is 0.5 (position 2.4 between two
+    # 0.5s): the three tied tokens stay with 0.9, 4 of 5 (ties keep more than the share ρ)
+    assert high_entropy_mask(entropy, mask, 0.4).tolist() == [[False, True, True, True, True]]
+    # ρ = 0.2: the 0.8 quantile is 0.5 + 0.2 · (0.9 - 0.5) = 0.58: 0.9 alone
+    assert high_entropy_mask(entropy, mask, 0.2).tolist() == [[False, False, False, False, True]]
+    assert high_entropy_mask(entropy, mask, 0.0).tolist() == [[False, False, False, False, True]]
+    assert high_entropy_mask(entropy, mask, 1.0).all()
+
+
+def test_high_entropy_mask_ignores_masked_tokens_forced_tool_tokens_included():
+    # a masked (e.g. tool-forced) token of entropy 9 neither moves the threshold nor is kept
+    entropy = torch.tensor([[0.1, 9.0, 0.3, 0.2, 0.4]])
+    mask = torch.tensor([[1, 0, 1, 1, 1]])
+    # the 0.5 quantile of (0.1, 0.3, 0.2, 0.4) is 0.25: 0.3 and 0.4 stay
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[False, False, True, False, True]]
+    assert not high_entropy_mask(entropy, torch.zeros(1, 5), 0.5).any()
+
+
+def test_top_entropy_drops_the_policy_term_of_low_entropy_tokens_not_their_kl():
+    # Ratios (1.1, 1.1) with Â = 1, entropies (0.2, 0.9), ρ = 0.5: the first token loses its
+    # policy term r Â = 1.1 but keeps its KL; π_ref = π_old, β = 0.1.
+    ref = torch.zeros(1, 2, dtype=torch.float64)
+    entropy = torch.tensor([[0.2, 0.9]], dtype=torch.float64)
+    stats = {}
+    value, grad = two_completions(
+        [[1.1, 1.1]], [1.0], [2], beta=0.1, ref=ref, entropy=entropy, top_entropy=0.5, stats=stats
+    )
+    k3 = 1 / 1.1 + math.log(1.1) - 1
+    assert value == pytest.approx((0.0 - 0.1 * k3 + 1.1 - 0.1 * k3) / 2, abs=TOL)
+    dk3 = 0.1 * (1 - 1 / 1.1)
+    expected = torch.tensor([[-dk3 / 2, (1.1 - dk3) / 2]], dtype=torch.float64)
+    assert torch.allclose(grad, expected, atol=TOL)
+    assert stats["entropy_dropped"] == 1 and stats["tokens"] == 2
+    with pytest.raises(ValueError, match="entropy"):
+        one_token_objective(1.0, 1.0, top_entropy=0.5)
+
+
+# ---------------------------------------------------------------- the off-policy sequence mask
+def test_off_policy_mask_drops_a_negative_advantage_far_off_policy_keeps_a_positive_one():
+    # Both completions: log π_behavior - log π_θ = (0.4, 0.8), mean 0.6.
+    logps = torch.zeros(2, 2)
+    behavior = torch.tensor([[0.4, 0.8], [0.4, 0.8]])
+    mask = torch.ones(2, 2)
+    advantages = torch.tensor([1.0, -1.0])
+    assert off_policy_mask(advantages, logps, behavior, mask, 0.5).tolist() == [[1.0], [0.0]]
+    assert off_policy_mask(advantages, logps, behavior, mask, 0.6).tolist() == [[1.0], [1.0]]
+    # the mean is over the completion's tokens only: a masked (forced) token's 5.0 does not count
+    holed = torch.tensor([[0.4, 0.8, 5.0], [0.4, 0.8, 5.0]])
+    hole = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    keep = off_policy_mask(advantages, torch.zeros(2, 3), holed, hole, 0.6)
+    assert keep.tolist() == [[1.0], [1.0]]
+
+
+def test_off_policy_threshold_in_the_loss_uses_pi_old_unless_behavior_log_probs_are_given():
+    # Ratios 0.5 (log π_θ - log π_old = -0.693 per token: KL estimate 0.693) with Â = -1, and the
+    # same with Â = +1. δ = 0.5: the negative one is dropped, J = (0.5 + 0) / 2 with ε = 10.
+    stats = {}
+    value, grad = two_completions(
+        [[0.5], [0.5]], [1.0, -1.0], [1, 1], epsilon=10.0, off_policy_threshold=0.5, stats=stats
+    )
+    assert value == pytest.approx(0.25, abs=TOL) and stats["off_policy"] == 1
+    assert grad[1, 0].item() == 0.0 and grad[0, 0].item() == pytest.approx(0.25, abs=TOL)
+    # behavior log-probs equal to π_θ's: no gap, nothing dropped
+    value, _ = two_completions(
+        [[0.5], [0.5]],
+        [1.0, -1.0],
+        [1, 1],
+        epsilon=10.0,
+        off_policy_threshold=0.5,
+        behavior_logps=torch.log(torch.full((2, 1), 0.5, dtype=torch.float64)),
+    )
+    assert value == pytest.approx((0.5 - 0.5) / 2, abs=TOL)
+
+
+# ---------------------------------------------------------------- the sampler correction
+@pytest.mark.parametrize(
+    "mode, low, high, expected, outside",
+    [
+        ("token_truncate", 0.0, 3.0, [0.5, 1.0, 3.0], [False, False, True]),
+        ("token_mask", 0.0, 3.0, [0.5, 1.0, 0.0], [False, False, True]),
+        ("token_truncate", 0.6, 3.0, [0.6, 1.0, 3.0], [True, False, True]),
+        ("token_mask", 0.6, 3.0, [0.0, 1.0, 0.0], [True, False, True]),
+    ],
+)
+def test_sampler_weights_per_token_at_ratios_0_5_1_5(mode, low, high, expected, outside):
+    old = torch.log(torch.tensor([[0.5, 1.0, 5.0]], dtype=torch.float64))
+    w, hit = sampler_weights(
+        old, torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3), mode, low, high
+    )
+    assert w[0].tolist() == pytest.approx(expected, abs=1e-12) and hit[0].tolist() == outside
+
+
+@pytest.mark.parametrize(
+    "mode, low, high, expected, outside",
+    [
+        # one-token completions: each its own sequence ratio
+        ("sequence_truncate", 0.6, 3.0, [0.6, 1.0, 3.0], [True, False, True]),
+        ("sequence_mask", 0.6, 3.0, [0.0, 1.0, 0.0], [True, False, True]),
+        ("sequence_mask", 0.0, 3.0, [0.5, 1.0, 0.0], [False, False, True]),
+    ],
+)
+def test_sampler_weights_per_sequence_at_ratios_0_5_1_5(mode, low, high, expected, outside):
+    old = torch.log(torch.tensor([[0.5], [1.0], [5.0]], dtype=torch.float64))
+    w, hit = sampler_weights(
+        old, torch.zeros(3, 1, dtype=torch.float64), torch.ones(3, 1), mode, low, high
+    )
+    assert w.shape == (3, 1)
+    assert w[:, 0].tolist() == pytest.approx(expected, abs=1e-12)
+    assert hit[:, 0].tolist() == outside
+
+
+def test_sampler_weights_sequence_ratio_is_the_product_over_sampled_tokens_only():
+    # tokens 0.5, 1, 5 in one completion: Π = 2.5; a fourth, masked (forced) token's 100 is not in
+    old = torch.log(torch.tensor([[0.5, 1.0, 5.0, 100.0]], dtype=torch.float64))
+    sampler, mask = torch.zeros(1, 4, dtype=torch.float64), torch.tensor([[1, 1, 1, 0]])
+    w, _ = sampler_weights(old, sampler, mask, "sequence_truncate", 0.0, 3.0)
+    assert w.item() == pytest.approx(2.5, abs=1e-12)
+    w, hit = sampler_weights(old, sampler, mask, "sequence_truncate", 0.0, 2.0)
+    assert w.item() == pytest.approx(2.0, abs=1e-12) and hit.item()
+    w, hit = sampler_weights(old, sampler, mask, "sequence_mask", 0.0, 2.0)
+    assert w.item() == 0.0 and hit.item()
+    with pytest.raises(ValueError, match="mode"):
+        sampler_weights(old, sampler, mask, "token", 0.0, 2.0)
+
+
+def test_weights_scale_the_policy_term_of_each_token_not_its_kl():
+    # Ratios (1.1, 1.1), Â = 1, weights (0.5, 2): J = (0.5·1.1 + 2·1.1)/2 - β k3; π_ref = π_old
+    ref = torch.zeros(1, 2, dtype=torch.float64)
+    weights = torch.tensor([[0.5, 2.0]], dtype=torch.float64)
+    value, grad = two_completions([[1.1, 1.1]], [1.0], [2], beta=0.1, ref=ref, weights=weights)
+    k3 = 1 / 1.1 + math.log(1.1) - 1
+    assert value == pytest.approx((0.55 - 0.1 * k3 + 2.2 - 0.1 * k3) / 2, abs=TOL)
+    dk3 = 0.1 * (1 - 1 / 1.1)
+    expected = torch.tensor([[(0.55 - dk3) / 2, (2.2 - dk3) / 2]], dtype=torch.float64)
+    assert torch.allclose(grad, expected, atol=TOL)
+
+
+def test_sampler_mismatch_k3_and_largest_ratio():
+    trainer = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    sampler = torch.log(torch.tensor([[0.5, 0.5, 0.3]]))  # ratios 1, 0.5, 3
+    kl, largest = sampler_mismatch(trainer, sampler, torch.tensor([[1, 1, 0]]))
+    # the unmasked ratios 1 and 0.5: k3 = 0 and 0.5 + ln 2 - 1 = 0.193147; mean 0.096574
+    assert kl == pytest.approx(0.096574, abs=TOL) and largest == pytest.approx(2.0, abs=1e-6)
+    assert sampler_mismatch(trainer, trainer, torch.ones(1, 3)) == (0.0, 1.0)
+    assert sampler_mismatch(trainer, sampler, torch.zeros(1, 3)) is None
