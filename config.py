@@ -117,6 +117,42 @@ def build_parser():
         "mu, optimizer updates per batch of samples; >1 keeps the first iteration's log-probs as "
         "pi_old's"
     )
+    flag(g, "--surrogate", "clip", choices=["clip", "cispo", "sapo"])(
+        "the policy term per token: clip: min(r A, clip(r) A) (eq. 3); cispo: sg(min(r, "
+        "1+eps_high)) A log pi (MiniMax-M1, arXiv 2506.13585; --epsilon unused: no lower bound); "
+        "sapo: sigmoid(tau (r-1)) 4/tau A (SAPO, arXiv 2511.20347; no clip). --loss-type still "
+        "sets the aggregation (TRL pairs cispo with dapo, sapo with grpo)"
+    )
+    flag(g, "--sapo-tau-pos", 1.0, float)("--surrogate sapo: tau where the advantage is > 0")
+    flag(g, "--sapo-tau-neg", 1.05, float)("--surrogate sapo: tau where the advantage is <= 0")
+    flag(g, "--top-entropy-quantile", 1.0, float)(
+        "rho: the policy term only on the top rho of each micro-batch's tokens by entropy (Beyond "
+        "the 80/20 Rule, arXiv 2506.01939, uses 0.2; ties with the threshold are kept); 1: off"
+    )
+    flag(g, "--off-policy-mask", None, float)(
+        "DeepSeek-V3.2's off-policy sequence mask: a completion with negative advantage whose mean "
+        "log(pi_behavior / pi_theta) exceeds this gets no policy term; pi_behavior is the "
+        "sampler's log-probs when kept (--sampler-correction, --log-mismatch), else pi_old's (so "
+        "it acts only with --num-iterations > 1); if not given, off"
+    )
+    flag(
+        g,
+        "--sampler-correction",
+        None,
+        choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+    )(
+        "correct the sampler-trainer mismatch: each token's policy term times w = pi_old / "
+        "pi_sampler (pi_sampler: the distribution the token was drawn from, after top-k/top-p), "
+        "per token or per completion (the product), truncated to [min, max] or set to 0 outside it "
+        "(TIS; TRL's vllm_importance_sampling_mode); if not given, off"
+    )
+    flag(g, "--sampler-ratio-min", 0.0, float)("--sampler-correction's lower bound on w")
+    flag(g, "--sampler-ratio-max", 3.0, float)("--sampler-correction's upper bound on w")
+    switch(g, "--log-mismatch")(
+        "keep each sampled token's log-prob in the decode and log the sampler-trainer mismatch "
+        "(mismatch_kl, mismatch_max_ratio) and the truncation gap of top-k/top-p (on with "
+        "--sampler-correction)"
+    )
 
     g = p.add_argument_group("rewards")
     flag(g, "--reward-fn", [], action="append", metavar="MODULE:FUNCTION")(
@@ -420,6 +456,12 @@ NUMBER_RANGES = [
     ("epsilon", lambda v: v > 0, "> 0"),
     ("epsilon_high", lambda v: v > 0, "> 0"),
     ("delta", lambda v: v > 1, "> 1"),
+    ("sapo_tau_pos", lambda v: v > 0, "> 0"),
+    ("sapo_tau_neg", lambda v: v > 0, "> 0"),
+    ("top_entropy_quantile", lambda v: 0 <= v <= 1, "in [0, 1] (1: off)"),
+    ("off_policy_mask", lambda v: v >= 0, ">= 0"),
+    ("sampler_ratio_min", lambda v: v >= 0, ">= 0"),
+    ("sampler_ratio_max", lambda v: v > 0, "> 0"),
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
@@ -520,6 +562,7 @@ def check_option_flags(args):
             f"--delta must exceed 1 + epsilon-high ({1 + eps_high:g}), got {args.delta}: below "
             "that it would cap ratios the ordinary clip already handles."
         )
+    check_objective_flags(args)
     if args.num_beams > 1 and args.num_beams < args.num_generations:
         raise UserError(
             f"--num-beams ({args.num_beams}) must be at least --num-generations "
@@ -542,6 +585,49 @@ def check_option_flags(args):
         raise UserError(
             "--compile compiles a whole, unadapted model: it does not combine with --fsdp or "
             "--lora-rank yet; drop one of them."
+        )
+
+
+def check_objective_flags(args):
+    """--surrogate and the options that go with it, the sampler correction's bounds, and what
+    needs the decode's log-probs."""
+    unused = {
+        "clip": [],
+        "cispo": [("--delta", args.delta is not None)],
+        "sapo": [
+            ("--delta", args.delta is not None),
+            ("--epsilon-high", args.epsilon_high is not None),
+        ],
+    }[args.surrogate]
+    if args.surrogate != "sapo":
+        unused += [
+            ("--sapo-tau-pos", args.sapo_tau_pos != 1.0),
+            ("--sapo-tau-neg", args.sapo_tau_neg != 1.05),
+        ]
+    for option, given in unused:
+        if given:
+            raise UserError(
+                f"{option} does nothing with --surrogate {args.surrogate}: drop it (--delta belongs "
+                "to clip, --epsilon-high to clip and cispo, --sapo-tau-* to sapo)."
+            )
+    bounds = (args.sampler_ratio_min, args.sampler_ratio_max)
+    if args.sampler_correction is None and bounds != (0.0, 3.0):
+        raise UserError(
+            "--sampler-ratio-min/--sampler-ratio-max bound --sampler-correction's weights: give "
+            "--sampler-correction too, or drop them."
+        )
+    if bounds[0] >= bounds[1]:
+        raise UserError(
+            f"--sampler-ratio-min ({bounds[0]:g}) must be below --sampler-ratio-max ({bounds[1]:g})."
+        )
+    keeps = args.sampler_correction is not None or args.log_mismatch
+    if keeps and (args.num_beams > 1 or args.fsdp):
+        flag_name = "--sampler-correction" if args.sampler_correction else "--log-mismatch"
+        path = "beam search (--num-beams)" if args.num_beams > 1 else "--fsdp"
+        raise UserError(
+            f"{flag_name} needs each sampled token's log-prob from the decode loop; {path} runs "
+            f"transformers' generate(), which does not keep them. Drop {flag_name} or "
+            f"{'--num-beams' if args.num_beams > 1 else '--fsdp'}."
         )
 
 

@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 SURROGATES = ("clip", "cispo", "sapo")
+# the sums grpo_loss's stats dict holds
+STATS = ("tokens", "kl", "clipped", "ratio", "entropy_dropped", "sequences", "off_policy")
 SAMPLER_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref):

@@ -37,6 +37,9 @@ class Sampling:
     num_beams: int = (
         1  # K > 1: the group is the G best beams of one beam search per prompt (no sampling)
     )
+    # the decode keeps each sampled token's log-probs (Rollouts.sampler_logps): for
+    # --sampler-correction and --log-mismatch; off, nothing is computed
+    keep_logps: bool = False
 
     @classmethod
     def of(cls, args):
@@ -48,6 +51,7 @@ class Sampling:
             args.max_new_tokens,
             args.max_prompt_length,
             args.num_beams,
+            args.sampler_correction is not None or args.log_mismatch,
         )
 
 
@@ -73,6 +77,12 @@ class Rollouts:
     # A tool that hung or died (a UserError): the caller raises it, on every rank alike
     # (train.score_or_fail_everywhere), and the run stops, saved.
     tool_failure: Exception | None = None
+    # Sampling.keep_logps: [B*G, C] fp32 log-prob of each sampled token under the distribution it
+    # was drawn from (after top-k / top-p), and the log of the probability mass those kept (0:
+    # nothing cut); log π_sampler of the full tempered softmax is their sum. 0 on forced tokens
+    # and after EOS. None when not kept.
+    sampler_logps: torch.Tensor | None = None
+    log_kept: torch.Tensor | None = None
 
     @property
     def prompt_length(self):
@@ -100,6 +110,7 @@ def sample_rollouts(
     )
     n = prompt_ids.shape[0] * group_size
     session = None if tools is None else tools.session(tokenizer, n, settings.max_new_tokens)
+    record = {} if settings.keep_logps else None
     with autocast(device, autocast_dtype):
         completion_ids = decode.generate(
             model,
@@ -110,6 +121,7 @@ def sample_rollouts(
             eos,
             tokenizer.pad_token_id,
             session,
+            record,
         )  # [B*G, C]
     C = completion_ids.shape[1]
     forced = None if session is None else session.forced[:, :C].to(device)  # [B*G, C]
@@ -129,6 +141,8 @@ def sample_rollouts(
             tool_errors=torch.tensor(session.errors, device=device),
             tool_failure=session.failure,
         )
+    if record is not None:  # on the sampled tokens up to EOS (the decode wrote 0 elsewhere)
+        counts.update(sampler_logps=record["drawn"] * mask, log_kept=record["log_kept"] * mask)
     return Rollouts(
         sequences,
         attention_mask,
@@ -286,7 +300,14 @@ def select_groups(rollouts, groups):
         texts=[rollouts.texts[i] for i in rows],
         **{
             name: None if getattr(rollouts, name) is None else getattr(rollouts, name)[rows]
-            for name in ("truncated", "forced", "tool_calls", "tool_errors")
+            for name in (
+                "truncated",
+                "forced",
+                "tool_calls",
+                "tool_errors",
+                "sampler_logps",
+                "log_kept",
+            )
         },
     )
 
@@ -331,6 +352,19 @@ def concat_rollouts(parts):
                 tool_errors=torch.cat([r.tool_errors for r in parts]),
             )
             if parts[0].forced is not None
+            else {}
+        ),
+        **(
+            {
+                name: torch.cat(
+                    [
+                        torch.nn.functional.pad(getattr(r, name), (0, C - r.log_kept.shape[1]))
+                        for r in parts
+                    ]
+                )
+                for name in ("sampler_logps", "log_kept")
+            }
+            if parts[0].sampler_logps is not None
             else {}
         ),
     )

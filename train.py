@@ -124,6 +124,11 @@ class LossSettings:
     ratio_level: str  # token | sequence (GSPO)
     max_tokens: int  # the generation budget: Dr. GRPO's constant
     delta: float | None  # dual clip: the ratio's cap where the advantage is negative; None: off
+    surrogate: str = "clip"  # the policy term: clip (eq. 3) | cispo | sapo
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    top_entropy: float = 1.0  # ρ: the policy term on the top-ρ tokens by entropy; 1: all
+    off_policy_threshold: float | None = None  # DeepSeek-V3.2's sequence mask; None: off
 
     @classmethod
     def of(cls, args):
@@ -135,6 +140,11 @@ class LossSettings:
             args.ratio_level,
             args.max_new_tokens,
             args.delta,
+            args.surrogate,
+            args.sapo_tau_pos,
+            args.sapo_tau_neg,
+            args.top_entropy_quantile,
+            args.off_policy_mask,
         )
 
 
@@ -153,6 +163,8 @@ class Settings:
     sampling: sampling.Sampling  # the training rollouts'
     eval: evaluation.EvalSettings  # the held-out evaluations'
     loss: LossSettings
+    # --sampler-correction: (mode, min, max) of grpo.sampler_weights; None: off
+    correction: tuple | None
     seed: int
     scale_rewards: str  # grpo.group_advantages' scale
     mask_truncated: bool
@@ -182,6 +194,8 @@ class Settings:
             sampling=sampling.Sampling.of(args),
             eval=evaluation.EvalSettings.of(args),
             loss=LossSettings.of(args),
+            correction=args.sampler_correction
+            and (args.sampler_correction, args.sampler_ratio_min, args.sampler_ratio_max),
             seed=args.seed,
             scale_rewards=args.scale_rewards,
             mask_truncated=args.mask_truncated,
@@ -232,6 +246,7 @@ class Run:
             old_logps,
             ref_logps,
             objective=s.loss,
+            correction=s.correction,
             micro_batch_size=s.micro_batch_size,
             max_grad_norm=s.max_grad_norm,
             autocast_dtype=s.autocast_dtype,
@@ -581,6 +596,7 @@ def policy_update(
     *,
     objective,
     micro_batch_size,
+    correction=None,
     max_grad_norm=1.0,
     autocast_dtype=None,
     scaler=None,
@@ -595,14 +611,16 @@ def policy_update(
     each micro-batch's longest completion).
     Under torchrun (ddp: the DistributedDataParallel log-prob module) the batch is every rank's:
     the denominator counts all ranks' sequences or tokens, and each rank's loss is multiplied by
-    the number of ranks (DDP averages the gradients, all-reduced once, in the last backward)."""
+    the number of ranks (DDP averages the gradients, all-reduced once, in the last backward).
+    The sampler's log-probs, where kept: the off-policy mask's π_behavior, sampler_correction's
+    π_sampler, and on the first iteration mismatch_metrics'."""
     model.train()
     mask = rollouts.completion_mask  # [N, C]
     denominator = grpo.loss_denominator(mask, objective.loss_type, objective.max_tokens)
     normalizer = distributed.all_sum([denominator])[0]
     logprobs = ddp or functools.partial(sampling.token_logprobs, model)
     lr = scheduler.get_last_lr()[0]
-    totals = dict(loss=0.0, tokens=0, kl=0.0, clipped=0, ratio=0.0, entropy=0.0)
+    totals = dict.fromkeys(("loss", "entropy", "corrected") + grpo.STATS, 0.0)
     logps_before = torch.zeros(mask.shape, device=mask.device)  # [N, C]
     T, G = rollouts.temperature, rollouts.group_size
     with phases.phase("update"):
@@ -616,19 +634,16 @@ def policy_update(
                 logps, entropy = logprobs(ids, attn, keep, T, entropy=True, group_size=G)
                 logps_before[rows, :keep] = logps.detach()
                 totals["entropy"] += (entropy * mask[rows, :keep]).sum().item()
-                old = None if old_logps is None else old_logps[rows, :keep]
-                ref = None if ref_logps is None else ref_logps[rows, :keep]
-                stats = {}
-                loss = grpo.grpo_loss(
-                    logps, old, ref, advantages[rows], mask[rows, :keep],
-                    normalizer=normalizer, stats=stats, **dataclasses.asdict(objective),
+                loss, stats = micro_batch_loss(
+                    logps, entropy, rollouts, rows, keep, advantages, old_logps, ref_logps,
+                    objective, correction, normalizer,
                 )  # fmt: skip
                 # DDP averages over ranks; no division by the number of micro-batches
                 scaled = loss * distributed.world()
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             totals["loss"] += loss.item()
-            for k in ("tokens", "kl", "clipped", "ratio"):
-                totals[k] += stats[k]
+            for k, v in stats.items():
+                totals[k] += v
         totals = dict(zip(totals, distributed.all_sum(totals.values())))  # every rank's sums
         with phases.phase("optimizer"):
             grad_norm, skipped = optimizer_step(
@@ -637,11 +652,85 @@ def policy_update(
         # freed now: no generation or evaluation holds the gradients
         optimizer.zero_grad(set_to_none=True)
     per_token = {k: v / max(totals["tokens"], 1) for k, v in totals.items()}
+    # π_θ = π_old on the first iteration: the sampler-trainer mismatch
+    mismatch = mismatch_metrics(logps_before, rollouts) if old_logps is None else {}
     return dict(
         loss=totals["loss"], kl=per_token["kl"], clip_frac=per_token["clipped"],
         ratio=per_token["ratio"], entropy=per_token["entropy"], grad_norm=float(grad_norm), lr=lr,
-        skipped=skipped,
+        skipped=skipped, **option_shares(totals, objective, correction), **mismatch,
     ), logps_before  # fmt: skip
+
+
+def micro_batch_loss(
+    logps, entropy, rollouts, rows, keep, advantages, old_logps, ref_logps, objective, correction,
+    normalizer,
+):  # fmt: skip
+    """grpo.grpo_loss on the micro-batch `rows` (its first `keep` columns): π_θ's log-probs and
+    entropies [n, keep], with the sampler's log-probs where the decode kept them (the off-policy
+    mask's π_behavior; sampler_correction's π_sampler). Returns (loss, its statistics' sums)."""
+    mask = rollouts.completion_mask[rows, :keep]
+    old, ref, behavior = (
+        None if x is None else x[rows, :keep]
+        for x in (old_logps, ref_logps, rollouts.sampler_logps)
+    )
+    weights, corrected = sampler_correction(correction, logps, old, behavior, mask)
+    stats = {"corrected": corrected}
+    loss = grpo.grpo_loss(
+        logps, old, ref, advantages[rows], mask, normalizer=normalizer, entropy=entropy,
+        behavior_logps=behavior, weights=weights, stats=stats, **dataclasses.asdict(objective),
+    )  # fmt: skip
+    return loss, stats
+
+
+def sampler_correction(correction, logps, old, sampler, mask):
+    """--sampler-correction's weights π_old / π_sampler for one micro-batch (π_old: π_θ's own
+    log-probs, detached, when old is None, i.e. μ = 1 or the first iteration), and how many tokens
+    (sequence modes: completions) they truncated or masked; (None, 0) when it is off."""
+    if correction is None:
+        return None, 0
+    trainer = logps.detach() if old is None else old
+    weights, hit = grpo.sampler_weights(trainer, sampler, mask, *correction)
+    return weights, (hit & mask.bool() if hit.shape[1] > 1 else hit).sum().item()
+
+
+def option_shares(totals, objective, correction):
+    """The share of tokens (or completions) each option that is on left out or changed."""
+    tokens, sequences = max(totals["tokens"], 1), max(totals["sequences"], 1)
+    shares = {}
+    if objective.top_entropy < 1:
+        shares["entropy_dropped"] = totals["entropy_dropped"] / tokens
+    if objective.off_policy_threshold is not None:
+        shares["off_policy_masked"] = totals["off_policy"] / sequences
+    if correction is not None:  # tokens, or completions for the sequence modes
+        mode = correction[0]
+        name = "sampler_masked" if mode.endswith("mask") else "sampler_truncated"
+        shares[name] = totals["corrected"] / (sequences if mode.startswith("sequence") else tokens)
+    return shares
+
+
+def mismatch_metrics(trainer_logps, rollouts):
+    """The sampler-trainer numerical mismatch over every rank's sampled tokens ({} unless the
+    decode kept the sampler's log-probs, or no token is in the loss): the mean k3 KL and
+    the largest token ratio between π_θ's log-probs from the training forward and the decode's of
+    the same distribution (the full tempered softmax: drawn + log_kept), and the truncation gap,
+    the mean log of the mass top-k / top-p kept (≤ 0: a known bias, not a numerical one)."""
+    if rollouts.sampler_logps is None:
+        return {}
+    mask = rollouts.completion_mask.bool()
+    full = rollouts.sampler_logps + rollouts.log_kept
+    log_r = torch.where(mask, trainer_logps - full, 0.0).double()
+    k3 = torch.exp(log_r) - log_r - 1
+    kept = torch.where(mask, rollouts.log_kept, 0.0).double()
+    local = torch.stack([k3.sum(), mask.sum().double(), log_r.abs().max(), kept.sum()])
+    every = distributed.gather(local[None]).view(-1, 4)  # [ranks, 4]
+    tokens = every[:, 1].sum().item()
+    if tokens == 0:  # every completion masked out (--mask-truncated): nothing to compare
+        return {}
+    return dict(
+        mismatch_kl=every[:, 0].sum().item() / tokens,
+        mismatch_max_ratio=math.exp(every[:, 2].max().item()),
+        truncation_gap=every[:, 3].sum().item() / tokens,
+    )
 
 
 def sync_gradients_if(last, model, ddp):

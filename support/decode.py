@@ -22,26 +22,35 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 
-def generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None):
+def generate(
+    model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None, record=None
+):
     """G completions of each prompt, group after group: [B*G, C] token ids, pad after EOS, C the
     longest. lean_decode() where uses_lean_decode() allows; otherwise one generate() call
     (num_return_sequences=G, or the G best of K beams). In the autocast the caller set up, if any
     (sampling.sample_rollouts: the run's compute dtype). tools: a tools.ToolSession, whose results
-    lean_decode forces into the rows that call a tool (generate() cannot: a ValueError)."""
+    lean_decode forces into the rows that call a tool; record: a dict lean_decode fills with each
+    sampled token's log-probs (generate() can do neither: a UserError)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         if uses_lean_decode(model, settings):
             out = lean_decode(
-                model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools
+                model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools, record
             )
-        elif tools is not None:
+        elif tools is not None or record is not None:
             from support.errors import UserError
 
-            raise UserError(
+            what = (
                 "--tool needs the lean decode (support/decode.py) to write a tool's result into a "
-                "completion, and this model cannot take it: transformers cannot run it with a "
-                "static cache. Drop --tool, or use a model that can (Llama, Qwen, Mistral, ...)."
+                "completion"
+                if tools is not None
+                else "--sampler-correction and --log-mismatch need the lean decode "
+                "(support/decode.py) to keep each sampled token's log-prob"
+            )
+            raise UserError(
+                f"{what}, and this model cannot take it: transformers cannot run it with a static "
+                "cache. Drop the flag, or use a model that can (Llama, Qwen, Mistral, ...)."
             )
         else:
             beams = settings.num_beams > 1
@@ -75,7 +84,9 @@ def uses_lean_decode(model, settings):
 
 
 @torch.no_grad()
-def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None):
+def lean_decode(
+    model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, tools=None, record=None
+):
     """The lean decode path, a short loop over the model's forward in place of generate():
     [B*G, C] completions, pad after EOS, C <= max_new_tokens the longest.
       - the KV cache is preallocated (KVCache) in the compute dtype and written in place, never
@@ -88,7 +99,12 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
         are done.
     tools (a tools.ToolSession): a row with tool-result tokens queued takes the next one instead of
     its sample (forced tokens are data, not new shapes); a forced token never ends a row; after
-    each step the session looks for calls in what the rows sampled and queues their results."""
+    each step the session looks for calls in what the rows sampled and queues their results.
+    record (a dict): filled with "drawn" [B*G, C], each sampled token's fp32 log-prob under the
+    distribution it was drawn from (after temperature, top-k and top-p), and "log_kept" [B*G, C],
+    the log of the probability mass top-k / top-p left (0: nothing cut); so log π_sampler of the
+    full tempered softmax is drawn + log_kept. 0 on forced tokens and after EOS. Off (None): not
+    computed."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
     if compiled is None:
@@ -125,16 +141,22 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
     rows = torch.arange(R, device=device)  # the rows still in the batch
     done = torch.arange(R, device=device) >= n  # compiled: rows past their EOS (padding: all)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    if record is not None:
+        drawn, log_kept = torch.zeros(R, C, device=device), torch.zeros(R, C, device=device)
     for t in range(C):
         # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the
         # same samples.
         uniforms = torch.cat(
             [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
         )
-        token = sample_tokens(logits, settings, uniforms[rows])[0]
+        token, logp, kept = sample_tokens(logits, settings, uniforms[rows], record is not None)
         forced = None
         if tools is not None:  # rows with a tool result to write take its next token instead
             token, forced = tools.force(rows, token, t)
+        if record is not None:  # a sampled token's log-probs; 0 on forced and finished rows
+            sampled = ~done if forced is None else ~done & ~forced
+            drawn[rows, t] = torch.where(sampled, logp, 0.0)
+            log_kept[rows, t] = torch.where(sampled, kept, 0.0)
         completions[rows, t] = token.masked_fill(done, pad_id)
         ended = torch.isin(token, eos) if forced is None else torch.isin(token, eos) & ~forced
         if tools is not None:  # calls closed at this step run now, their results queued
@@ -155,20 +177,24 @@ def lean_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, p
             break
         logits = step(token[:, None], mask, position, cache)
         position = position + 1
+    if record is not None:
+        record.update(drawn=drawn[:n, : t + 1], log_kept=log_kept[:n, : t + 1])
     return completions[:n, : t + 1]
 
 
-def sample_tokens(logits, settings, uniforms=None):
+def sample_tokens(logits, settings, uniforms=None, mass=False):
     """One token per row of logits [n, V], drawn as settings say, and its log-prob under the
-    distribution it was drawn from: ([n] ids, [n] fp32 log-probs). Temperature, then top-k and
-    top-p (top_k_then_top_p), then one uniform per row ([n, 1] in [0, 1), drawn here if not
-    given) through the survivors' cumulative distribution (inverse-CDF sampling): no multinomial
-    over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
+    distribution it was drawn from: ([n] ids, [n] fp32 log-probs, [n] the log of the probability
+    mass top-k / top-p kept of the tempered softmax, or None unless `mass`). Temperature, then
+    top-k and top-p (top_k_then_top_p), then one uniform per row ([n, 1] in [0, 1), drawn here if
+    not given) through the survivors' cumulative distribution (inverse-CDF sampling): no
+    multinomial over the vocabulary. Temperature 0: the argmax (log-prob 0)."""
+    n = logits.shape[0]
     if settings.temperature == 0:
-        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float32)
-    values, indices = top_k_then_top_p(
-        logits.float() / settings.temperature, settings.top_k, settings.top_p
-    )
+        zeros = logits.new_zeros(n, dtype=torch.float32)
+        return logits.argmax(-1), zeros, zeros if mass else None
+    scores = logits.float() / settings.temperature
+    values, indices = top_k_then_top_p(scores, settings.top_k, settings.top_p)
     logp = values.log_softmax(dim=-1)  # [n, m]
     cdf = logp.exp().cumsum(dim=-1)
     u = torch.rand(cdf.shape[0], 1, device=cdf.device) if uniforms is None else uniforms
@@ -176,7 +202,11 @@ def sample_tokens(logits, settings, uniforms=None):
     # [n, 1]: first cdf > u (p > 0)
     choice = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)
     token = choice if indices is None else indices.gather(-1, choice)
-    return token.squeeze(-1), logp.gather(-1, choice).squeeze(-1)
+    kept = None
+    if mass:  # log Σ_survivors p: 0 when nothing was cut
+        whole = indices is None
+        kept = scores.new_zeros(n) if whole else values.logsumexp(-1) - scores.logsumexp(-1)
+    return token.squeeze(-1), logp.gather(-1, choice).squeeze(-1), kept
 
 
 def top_k_then_top_p(scores, top_k, top_p):

@@ -252,7 +252,29 @@ def step_metrics(
         eta_s=float(eta),
         skipped_nonfinite=len(skips),
         **({"skip_reason": skips[0]} if skips else {}),
+        **option_metrics(updates),
     )
+
+
+# What train.policy_update reports of the options that are on (the mismatch: first update only)
+OPTION_METRICS = (
+    "entropy_dropped",
+    "off_policy_masked",
+    "sampler_truncated",
+    "sampler_masked",
+    "mismatch_kl",
+    "mismatch_max_ratio",
+    "truncation_gap",
+)
+
+
+def option_metrics(updates):
+    """Each option metric the updates carry, its mean over those that carry it."""
+    return {
+        key: float(np.mean([u[key] for u in updates if key in u]))
+        for key in OPTION_METRICS
+        if any(key in u for u in updates)
+    }
 
 
 def tool_metrics(calls, errors):
@@ -289,6 +311,7 @@ def log_step(log, step, steps, beta, m, reward_names):
             if "tool_calls" in m
             else ""
         )
+        + "".join(f" | {k.replace('_', ' ')} {m[k]:.3g}" for k in OPTION_METRICS if k in m)
         + (
             " | SKIPPED the update: no group had reward spread"
             if m.get("skipped_no_spread")

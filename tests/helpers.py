@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from unittest import mock
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -242,27 +241,9 @@ def decode_with_drawn_logprobs(
     model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
 ):
     """decode.lean_decode's [B*G, C] completions, and [B*G, C] the log-prob each token was drawn
-    with (0 after EOS), recorded from decode.sample_tokens (decode itself keeps no log-probs:
-    training recomputes them). Eager decode samples, at token t, the rows that have written no
-    EOS before t, in order; compiled, every planned row (the real rows first)."""
-    drawn_per_token, real = [], decode.sample_tokens
-
-    def recording(logits, settings, uniforms=None):
-        token, logp = real(logits, settings, uniforms)
-        drawn_per_token.append(logp)
-        return token, logp
-
-    with mock.patch.object(decode, "sample_tokens", recording):
-        completions = decode.lean_decode(
-            model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id
-        )
-    n, C = completions.shape
-    ended = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))
-    drawn = torch.zeros(n, C, device=completions.device)
-    for t, logp in enumerate(drawn_per_token):
-        alive = ~ended[:, :t].any(1)
-        if logp.shape[0] == int(alive.sum()):
-            drawn[alive, t] = logp
-        else:
-            drawn[:, t] = logp[:n]
-    return completions, drawn * grpo.completion_mask(completions, eos_ids)
+    with (0 after EOS), as the decode records them (record=)."""
+    record = {}
+    completions = decode.lean_decode(
+        model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, record=record
+    )
+    return completions, record["drawn"] * grpo.completion_mask(completions, eos_ids)
