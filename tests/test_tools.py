@@ -3,6 +3,7 @@ tokens, and the bugs other trainers shipped here, each by its numbers. No downlo
 over a word-level vocabulary, scripted by a forward hook so that it writes a chosen exchange."""
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -134,6 +135,43 @@ def test_loss_and_gradient_equal_the_hand_masked_ones_and_forced_logprobs_never_
     assert stats_old["clip_frac"] == 0.0
     for name, value in weights_old.items():
         assert torch.allclose(value, expected[name], atol=1e-6), name
+
+
+def test_forced_tokens_stay_out_of_the_entropy_mask_the_sampler_weights_and_the_mismatch():
+    # The decode keeps no log-prob for a forced token (0 there); and whatever the sampler's
+    # log-prob of a forced token says (here e^±40 away from the trainer's), the loss, the update
+    # and the mismatch are those of the sampled tokens alone, with CISPO, the top-ρ entropy mask,
+    # the off-policy mask and the per-token correction all on.
+    model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
+    toolbox = tools.Tools({"calc": lambda arguments: "12 12"})
+    handle = scripted(model, EXCHANGE)
+    settings = sampling.Sampling(1.0, 0, 1.0, 12, keep_logps=True)
+    r = sampling.sample_rollouts(model, tok, ["q"], settings, 2, tools=toolbox)
+    handle.remove()
+    assert (r.sampler_logps[r.forced] == 0).all() and (r.log_kept == 0).all()
+    objective = train.LossSettings(
+        0.2, 3.0, 0.0, "dapo", "token", 12, None, "cispo", top_entropy=0.5, off_policy_threshold=0.0
+    )
+
+    def update(sampler_logps):
+        policy = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        rollouts = dataclasses.replace(r, sampler_logps=sampler_logps)
+        stats, _ = train.policy_update(
+            policy, optimizer, get_scheduler("constant", optimizer), rollouts,
+            torch.tensor([1.0, -0.5]), None, None, objective=objective, micro_batch_size=2,
+            correction=("token_truncate", 0.0, 3.0), max_grad_norm=0,
+        )  # fmt: skip
+        return stats, [p.detach() for p in policy.parameters()]
+
+    stats, weights = update(r.sampler_logps)
+    for garbage in (-40.0, 40.0):
+        again, moved = update(r.sampler_logps.masked_fill(r.forced, garbage))
+        assert again == stats  # every statistic, the mismatch and the shares included
+        assert all(torch.equal(a, b) for a, b in zip(moved, weights))
+    # the shares count the 10 sampled tokens (entropy mask: about half of them) and 2 completions
+    assert 0.4 <= stats["entropy_dropped"] <= 0.6
+    assert stats["mismatch_max_ratio"] > 1  # the scripted sampler is sure, the real model is not
 
 
 def test_pad_equal_to_eos_keeps_the_sampled_eos_in_the_loss_and_forced_tokens_attended():

@@ -1,0 +1,170 @@
+"""The objectives beside eq. 3's clipped surrogate, in the loop: CISPO and SAPO (--surrogate), the
+top-entropy token mask, the off-policy sequence mask, and the sampler-trainer mismatch (the
+log-probs the decode keeps, the numerical mismatch and the truncation gap they measure, the
+correction they weight the loss with). grpo.py's worked examples are in test_grpo.py; the flags'
+refusals, the decode's records and the metrics a run writes are here. No download: tiny Llamas
+built in code."""
+
+import math
+
+import pytest
+import torch
+
+import config
+import grpo
+import sampling
+from helpers import decode_with_drawn_logprobs, read_metrics, run_tiny, tiny_argv
+from support import decode, demo, report
+
+
+def refusal(argv):
+    with pytest.raises(config.UserError) as e:
+        config.parse_args(argv)
+    return str(e.value)
+
+
+# --- the flags, checked before any model loads
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile must be a finite number in [0, 1]"),
+        (["--top-entropy-quantile", "nan"], "--top-entropy-quantile must be a finite number in [0, 1]"),
+        (["--off-policy-mask", "-0.1"], "--off-policy-mask must be a finite number >= 0"),
+        (["--sapo-tau-neg", "0", "--surrogate", "sapo"], "--sapo-tau-neg must be a finite number > 0"),
+        (["--sampler-ratio-max", "inf"], "--sampler-ratio-max must be a finite number > 0"),
+        (["--surrogate", "cispo", "--delta", "2"], "--delta does nothing with --surrogate cispo"),
+        (["--surrogate", "sapo", "--epsilon-high", "0.28"], "--epsilon-high does nothing with --surrogate sapo"),
+        (["--sapo-tau-pos", "2"], "--sapo-tau-pos does nothing with --surrogate clip"),
+        (["--sampler-ratio-max", "5"], "--sampler-ratio-min/--sampler-ratio-max bound --sampler-correction's"),
+        (
+            ["--sampler-correction", "token_mask", "--sampler-ratio-min", "3", "--sampler-ratio-max", "2"],
+            "--sampler-ratio-min (3) must be below --sampler-ratio-max (2).",
+        ),
+        (["--log-mismatch", "--num-beams", "4"], "--log-mismatch needs each sampled token's log-prob"),
+        (["--sampler-correction", "token_mask", "--num-beams", "4"], "--sampler-correction needs each"),
+    ],
+)  # fmt: skip
+def test_objective_flags_that_cannot_work_are_refused_before_any_model_loads(
+    tmp_path, extra, message
+):
+    assert message in refusal(tiny_argv(tmp_path, *extra))
+
+
+def test_objective_flags_that_work_parse_and_reach_the_loss_settings(tmp_path):
+    args = config.parse_args(
+        tiny_argv(tmp_path, "--surrogate", "cispo", "--epsilon-high", "4", "--off-policy-mask", "0")
+    )
+    assert (args.surrogate, args.epsilon_high, args.off_policy_mask) == ("cispo", 4.0, 0.0)
+    args = config.parse_args(tiny_argv(tmp_path, "--sampler-correction", "sequence_mask"))
+    assert sampling.Sampling.of(args).keep_logps  # the decode keeps the log-probs it needs
+    assert not sampling.Sampling.of(config.parse_args(tiny_argv(tmp_path))).keep_logps
+
+
+# --- what the decode records of each sampled token
+def decode_and_score(model, settings, autocast_dtype=None):
+    """(completions, the decode's record, the trainer's log-probs of the same tokens [N, C], the
+    loss mask) for 3 prompts x G = 4, decoded and scored in the same autocast."""
+    torch.manual_seed(0)
+    prompts, mask = torch.randint(2, 97, (3, 7)), torch.ones(3, 7, dtype=torch.long)
+    record = {}
+    with sampling.autocast("cpu", autocast_dtype):
+        completions = decode.lean_decode(
+            model, prompts, mask, settings, 4, [demo.EOS], demo.PAD, record=record
+        )
+        keep = grpo.completion_mask(completions, [demo.EOS])
+        ids = torch.cat([prompts.repeat_interleave(4, 0), completions], 1)
+        attention = torch.cat([mask.repeat_interleave(4, 0), keep], 1)
+        trainer = sampling.token_logprobs(
+            model, ids, attention, completions.shape[1], settings.temperature, group_size=4
+        )
+    return completions, record, trainer, keep
+
+
+def test_without_top_k_or_top_p_the_drawn_log_prob_is_the_full_softmax_and_nothing_is_cut():
+    model = demo.tiny_llama(97, 0).eval()
+    _, record, trainer, keep = decode_and_score(model, sampling.Sampling(0.7, 0, 1.0, 10))
+    assert torch.equal(record["log_kept"], torch.zeros_like(record["log_kept"]))
+    # fp32 eager on the CPU: the decode and the training forward compute the same log-probs, up to
+    # fp32 rounding (measured max |difference| 5e-7 on log-probs up to 6): zero to 1e-5
+    kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
+    assert kl < 1e-10 and largest - 1 < 1e-5
+
+
+def test_with_top_k_and_top_p_drawn_plus_log_kept_is_the_full_softmax_and_the_gap_is_negative():
+    model = demo.tiny_llama(97, 0).eval()
+    _, record, trainer, keep = decode_and_score(model, sampling.Sampling(1.0, 20, 0.9, 10))
+    drawn, log_kept, m = record["drawn"], record["log_kept"], keep.bool()
+    assert (log_kept[m] < 0).all()  # an untrained model spreads its mass: every step cuts some
+    assert (log_kept[~m] == 0).all() and (drawn[~m] == 0).all()  # nothing after EOS
+    # the renormalized survivors' log-prob minus the log of their mass: the full softmax's
+    assert (drawn[m] > trainer[m]).all()
+    torch.testing.assert_close(drawn[m] + log_kept[m], trainer[m], rtol=0, atol=1e-5)
+
+
+def test_the_numerical_mismatch_is_zero_in_fp32_and_above_zero_and_finite_under_bf16():
+    # SmolLM2-135M's width (576): at 64 wide the CPU's bf16 kernels give the decode (one query
+    # row) and the training forward (all rows) the same sums bit for bit; at 576 they block the
+    # sums differently. Measured: k3 1.4e-7, largest ratio 1.004 (bf16); 9e-14, 1 + 1e-6 (fp32).
+    model = demo.tiny_llama(97, 0, hidden_size=576, intermediate_size=1152, num_hidden_layers=2)
+    settings = sampling.Sampling(1.0, 0, 1.0, 10)
+    _, record, trainer, keep = decode_and_score(model.eval(), settings)
+    kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
+    assert kl < 1e-10 and largest - 1 < 1e-5
+    _, record, trainer, keep = decode_and_score(model, settings, torch.bfloat16)
+    kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
+    assert 1e-10 < kl < 1e-3 and 1 + 1e-4 < largest < 1.1 and math.isfinite(kl)
+
+
+def test_the_helper_and_the_rollouts_see_the_decodes_record():
+    model = demo.tiny_llama(97, 0).eval()
+    torch.manual_seed(0)
+    prompts, mask = torch.randint(2, 97, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    settings = sampling.Sampling(1.0, 0, 1.0, 6)
+    torch.manual_seed(1)
+    completions, drawn = decode_with_drawn_logprobs(
+        model, prompts, mask, settings, 3, [demo.EOS], demo.PAD
+    )
+    torch.manual_seed(1)
+    record = {}
+    again = decode.lean_decode(
+        model, prompts, mask, settings, 3, [demo.EOS], demo.PAD, record=record
+    )
+    # recording changes no sample, and the helper is the record, masked after EOS
+    assert torch.equal(again, completions)
+    assert torch.equal(drawn, record["drawn"] * grpo.completion_mask(completions, [demo.EOS]))
+
+
+# --- a run: each option's share and the mismatch in metrics.jsonl
+@pytest.mark.parametrize(
+    "extra, keys",
+    [
+        (["--surrogate", "cispo", "--epsilon-high", "4"], []),
+        (["--surrogate", "sapo"], []),
+        (["--top-entropy-quantile", "0.2"], ["entropy_dropped"]),
+        (["--off-policy-mask", "0.0", "--num-iterations", "2"], ["off_policy_masked"]),
+        (
+            ["--sampler-correction", "token_truncate", "--top-k", "10"],
+            ["sampler_truncated", "mismatch_kl", "mismatch_max_ratio", "truncation_gap"],
+        ),
+        (
+            ["--sampler-correction", "sequence_mask"],
+            ["sampler_masked", "mismatch_kl", "mismatch_max_ratio", "truncation_gap"],
+        ),
+        (["--log-mismatch"], ["mismatch_kl", "mismatch_max_ratio", "truncation_gap"]),
+    ],
+)
+def test_a_run_with_each_option_logs_its_share_and_a_finite_loss(tmp_path, extra, keys):
+    run_tiny(tmp_path, *extra)
+    (row,) = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert math.isfinite(row["loss"]) and row["skipped_nonfinite"] == 0
+    assert sorted(k for k in row if k in report.OPTION_METRICS) == sorted(keys)
+    if "entropy_dropped" in keys:  # ρ = 0.2 drops about 4 in 5 tokens (ties keep a few more)
+        assert 0.5 < row["entropy_dropped"] < 0.85
+    if "mismatch_kl" in keys:  # fp32 eager: the same numbers on both paths
+        assert row["mismatch_kl"] < 1e-10 and row["mismatch_max_ratio"] - 1 < 1e-5
+    if "truncation_gap" in keys:  # top-k 10 of 64 words cuts mass off an untrained model
+        assert (row["truncation_gap"] < 0) == ("--top-k" in extra)
+    if "sampler_truncated" in keys:  # w = 1 up to rounding: nothing reaches the bounds
+        assert row["sampler_truncated"] == 0
+    if "off_policy_masked" in keys:  # δ = 0: the second iteration drops the completions with
+        assert 0 < row["off_policy_masked"] <= 0.5  # Â < 0 that drifted at all (half: μ = 2)
