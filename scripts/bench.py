@@ -963,6 +963,14 @@ def bench_rollout(a):
 # One tiny fp32 Llama, one batch, one process (the bench env's python, where TRL is installed; our
 # side runs there too, on the same torch and transformers).
 #
+# The cases (parity_cases): eq. 3's clipped surrogate in every combination of loss type, β, ε_high,
+# δ and ratio level; CISPO and SAPO (TRL's loss types "cispo" and "sapo"); the entropy mask (TRL's
+# top_entropy_quantile); DeepSeek-V3.2's off-policy sequence mask (off_policy_mask_threshold);
+# given per-token and per-completion importance weights (TRL's importance_sampling_ratio, which it
+# applies on its vLLM path only); then gradient accumulation and steps_per_generation
+# (parity_accumulation). parity_engagement and parity_options check that every clip, cap and mask
+# acts on some tokens of the batch (and not on all), so that no case passes vacuously.
+#
 # Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL value|): absolute for the losses and
 # gradients here, which are of order 1 or less, relative beyond that. Both sides compute in fp32
 # (rounding 6e-8) but sum in different orders (our chunked lm-head over a KV cache shared by each
@@ -979,6 +987,8 @@ PARITY_SHAPE = dict(
     completion_lens=(12, 9, 5, 12, 3, 12, 7, 1),
     temperature=0.7,
 )
+# The loss_type TRL aggregates each of its surrogate loss types with (trl_loss).
+TRL_AGGREGATION = dict(cispo="dapo", sapo="grpo")
 
 
 def parity_batch(model):
@@ -987,7 +997,8 @@ def parity_batch(model):
     and π_ref's log-probs; parity_trl adds the token count). π_old = π_θ + noise (std 0.3 per token,
     plus std 0.6 per completion, so whole sequences move too) and π_ref = π_θ + noise of std 0.2:
     ratios leave [1-ε, 1+ε_high] and δ at both ratio levels, so every clip engages (see
-    parity_engagement), and the KL is not 0."""
+    parity_engagement), and the KL is not 0. "weights": the given importance weights of the
+    correction cases, uniform in [0.2, 3]: "token" [N, C] (1 after EOS) and "sequence" [N, 1]."""
     s, g = PARITY_SHAPE, torch.Generator().manual_seed(0)
     G, P, C = s["group"], max(s["prompt_lens"]), max(s["completion_lens"])
     prompt_ids = torch.zeros(len(s["prompt_lens"]), P, dtype=torch.long)
@@ -1024,6 +1035,13 @@ def parity_batch(model):
     )
     old = (current + noise) * completion_mask
     ref = (current + 0.2 * torch.randn(current.shape, generator=g)) * completion_mask
+    # drawn after everything above, which stays as it was before these cases existed
+    weights = dict(
+        token=torch.where(
+            completion_mask.bool(), 0.2 + 2.8 * torch.rand(current.shape, generator=g), 1.0
+        ),
+        sequence=0.2 + 2.8 * torch.rand(len(lengths), 1, generator=g),
+    )
     trl = dict(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -1034,7 +1052,13 @@ def parity_batch(model):
         ref_per_token_logps=ref,
     )
     return dict(
-        rollouts=rollouts, advantages=advantages, old=old, ref=ref, current=current, trl=trl
+        rollouts=rollouts,
+        advantages=advantages,
+        old=old,
+        ref=ref,
+        current=current,
+        weights=weights,
+        trl=trl,
     )
 
 
@@ -1057,6 +1081,80 @@ def parity_engagement(batch):
     return out
 
 
+def parity_options(batch, cases, entropy, trl, trl_entropy):
+    """What each of the newer options acts on at θ, for every value parity_cases gives it: rows of
+    dict(what, text, fail), fail saying why the option's cases would test nothing (else None).
+    - CISPO's cap E: the tokens whose ratio (at the case's level) exceeds E, of either advantage
+      sign (CISPO caps every token's weight): it must bind on some.
+    - The off-policy mask δ: the Â < 0 completions whose mean log(π_old / π_θ) exceeds δ (π_old is
+      the behavior policy on both sides here): it must drop some and keep some.
+    - The entropy mask ρ: the tokens kept, by ours (grpo.high_entropy_mask on our entropies
+      [N, C]) and by TRL (its get_high_entropy_mask on its own, trl_entropy, from the GRPOTrainer
+      trl): not all of them. Each side takes its threshold from its own entropies, so a token
+      within their rounding difference of the threshold could fall on either side: the row says
+      how far below each side's threshold the highest entropy our mask drops lies, and names every
+      token the two sides keep differently, with both entropies."""
+    m, adv = batch["trl"]["completion_mask"].bool(), batch["advantages"]
+    log_ratio = torch.where(m, batch["current"] - batch["old"], 0.0)
+    seq = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True)  # [N, 1]
+    ratios = dict(token=log_ratio.exp(), sequence=seq.expand_as(log_ratio).exp())
+    rows = []
+    caps = {
+        (c["ratio_level"], 1 + c["epsilon_high"]) for c in cases if c.get("surrogate") == "cispo"
+    }
+    for level, cap in sorted(caps, key=lambda c: (c[0] != "token", c[1])):
+        capped = int(((ratios[level] > cap) & m).sum())
+        rows.append(
+            dict(
+                what=f"CISPO cap {cap:g}, {level} ratios",
+                text=f"{capped} of {int(m.sum())} tokens capped",
+                fail="never binds" if capped == 0 else None,
+            )
+        )
+    negative = adv < 0
+    kl = -seq.flatten()  # mean log(π_old / π_θ) per completion
+    for delta in sorted({c["off_policy_threshold"] for c in cases if "off_policy_threshold" in c}):
+        dropped, of = int((negative & (kl > delta)).sum()), int(negative.sum())
+        rows.append(
+            dict(
+                what=f"off-policy mask delta={delta:g}",
+                text=f"{dropped} of {of} completions with Â < 0 dropped (their mean log(π_old/π_θ): "
+                + " ".join(f"{v:.3f}" for v in kl[negative].tolist())
+                + ")",
+                fail="drops nothing" if dropped == 0 else "drops all" if dropped == of else None,
+            )
+        )
+    for rho in sorted({c["top_entropy"] for c in cases if "top_entropy" in c}):
+        ours = grpo.high_entropy_mask(entropy, m, rho)
+        theirs = trl.get_high_entropy_mask(trl_entropy, m.long(), 1 - rho)
+        text = f"{int(ours.sum())} of {int(m.sum())} tokens kept (TRL: {int(theirs.sum())})"
+        if not ours.equal(m):
+            # the highest entropy our mask drops, and how far below each side's threshold it is
+            i, t = divmod(torch.where(m & ~ours, entropy, -1.0).argmax().item(), m.shape[1])
+            below = [
+                torch.quantile(e[m], 1 - rho).item() - e[i, t].item()
+                for e in (entropy, trl_entropy)
+            ]
+            text += (
+                f"; the highest dropped, completion {i} token {t}, {below[0]:.1e} below the "
+                f"threshold (TRL: {below[1]:.1e})"
+            )
+        for i, t in (ours != theirs).nonzero().tolist():
+            text += (
+                f"; KEPT DIFFERENTLY: completion {i} token {t}: ours H={entropy[i, t]:.9g} "
+                f"{'kept' if ours[i, t] else 'dropped'}, TRL H={trl_entropy[i, t]:.9g} "
+                f"{'kept' if theirs[i, t] else 'dropped'}"
+            )
+        rows.append(
+            dict(
+                what=f"entropy mask top_entropy={rho:g}",
+                text=text,
+                fail="keeps every token" if ours.equal(m) else None,
+            )
+        )
+    return rows
+
+
 def named_grads(model):
     return {
         n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -1064,19 +1162,34 @@ def named_grads(model):
     }
 
 
-def parity_ours(model, batch, objective, micro, rows=slice(None)):
+def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
     """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of
     `micro` rows: train.policy_update itself, with an optimizer that cannot move the weights (SGD at
     lr 0) and no clipping (max norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients
-    stay in .grad."""
+    stay in .grad.
+
+    weights: "token" or "sequence", the batch's given importance weights w of that shape, applied
+    the way a run applies --sampler-correction's: the rollouts carry sampler log-probs log π_old -
+    log w (log w spread evenly over a completion's tokens for "sequence": their sum is log w_i), so
+    train.sampler_correction's π_old / π_sampler, truncated to [0, inf] (not at all), is w."""
     r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
+    mask, correction, sampler = r.completion_mask, None, {}
+    if weights is not None:
+        w = batch["weights"][weights]
+        log_w = w.log() if weights == "token" else w.log() / mask.sum(1, keepdim=True)
+        correction = (f"{weights}_truncate", 0.0, float("inf"))
+        sampler = dict(
+            sampler_logps=((old - log_w) * mask)[rows],
+            log_kept=torch.zeros(mask.shape)[rows],  # no top-k / top-p
+        )
     part = sampling.Rollouts(
         r.input_ids[rows],
         r.attention_mask[rows],
-        r.completion_mask[rows],
+        mask[rows],
         r.texts[rows],
         r.group_size,
         r.temperature,
+        **sampler,
     )
     grads = {}
 
@@ -1099,6 +1212,7 @@ def parity_ours(model, batch, objective, micro, rows=slice(None)):
         ref[rows] if objective.beta else None,
         objective=objective,
         micro_batch_size=micro,
+        correction=correction,
         max_grad_norm=float("inf"),
     )
     return stats["loss"], grads
@@ -1108,8 +1222,17 @@ def parity_trainer(
     model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None
 ):
     """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused
-    log-prob head), set as ours: same loss, ε, ε_high, δ, β, ratio level, temperature,
-    max_completion_length; every TRL extra off."""
+    log-prob head), set as ours for the case (parity_cases: our train.LossSettings fields, and
+    "weights"): same loss, ε, ε_high, δ, β, ratio level, temperature, max_completion_length, and
+    the case's options in TRL's terms (trl_loss); every other TRL extra off.
+
+    A case with given weights: TRL multiplies each token's policy loss by
+    inputs["importance_sampling_ratio"] only when trainer.use_vllm and
+    trainer.vllm_importance_sampling_correction, because it computes that ratio (π_old / π_vLLM)
+    only on its vLLM generation path. There is no vLLM here and no generation at all: both
+    attributes are set to True on the constructed trainer (use_vllm=True in the config would start
+    vLLM), and parity_trl hands it the same weights ours gets; compute_loss reads use_vllm nowhere
+    else."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -1131,41 +1254,63 @@ def parity_trainer(
         num_generations=s["group"],
         max_completion_length=max(s["completion_lens"]),
         temperature=s["temperature"],
-        loss_type=case["loss_type"],
         beta=case["beta"],
         epsilon=0.2,
-        epsilon_high=case["epsilon_high"],
         delta=case["delta"],
         importance_sampling_level=case["ratio_level"],
+        **trl_loss(case),
         num_iterations=2,  # π_old != π_θ
         use_vllm=False,
         use_liger_kernel=False,
         mask_truncated_completions=False,
-        top_entropy_quantile=1.0,
+        top_entropy_quantile=case.get("top_entropy", 1.0),
         entropy_coef=0.0,
         use_adaptive_entropy=False,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=case.get("off_policy_threshold"),
         use_bias_correction_kl=False,
         cast_lm_head_to_fp32=False,
         disable_dropout=True,
     )
     # unused: no generation happens here
     dataset = Dataset.from_dict({"prompt": ["w0"] * 8, "answer": ["42"] * 8})
-    return GRPOTrainer(
+    trainer = GRPOTrainer(
         model=copy.deepcopy(model),
         reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
     )
+    if case.get("weights"):  # its vLLM path's weighting, on the weights parity_trl passes
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    return trainer
 
 
-def parity_trl(trainer, batch, micro_rows, accumulation=1):
+def trl_loss(case):
+    """GRPOConfig's loss_type, epsilon_high and SAPO temperatures for the case. TRL names CISPO and
+    SAPO as loss types, each with one aggregation: CISPO's is dapo's token sum, SAPO's grpo's mean
+    of per-sequence means (parity_cases gives our loss_type accordingly). TRL's CISPO epsilon_high
+    is the cap on the ratio itself, ours 1 + ε_high (MiniMax-M1's ε_max^IS)."""
+    surrogate = case.get("surrogate", "clip")
+    if surrogate != "clip" and case["loss_type"] != TRL_AGGREGATION[surrogate]:
+        raise ValueError(f"TRL aggregates {surrogate} as {TRL_AGGREGATION[surrogate]} only")
+    return dict(
+        loss_type=case["loss_type"] if surrogate == "clip" else surrogate,
+        epsilon_high=1 + case["epsilon_high"] if surrogate == "cispo" else case["epsilon_high"],
+        sapo_temperature_pos=case.get("sapo_tau_pos", 1.0),
+        sapo_temperature_neg=case.get("sapo_tau_neg", 1.05),
+    )
+
+
+def parity_trl(trainer, batch, micro_rows, accumulation=1, weights=None):
     """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice
     of the generation batch, backward after each, as Trainer.training_step does (GRPOTrainer's
     loss_is_scaled_for_ga: Trainer adds no scaling of its own). Returns the sum of the micro-batch
-    losses and the accumulated gradients."""
+    losses and the accumulated gradients. weights: "token" or "sequence", the batch's given weights
+    [N, C] or [N, 1] as the importance_sampling_ratio its vLLM path would compute (the trainer must
+    be parity_trainer's for a case with weights)."""
     inputs = batch["trl"]
+    if weights is not None:
+        inputs = dict(inputs, importance_sampling_ratio=batch["weights"][weights])
     trainer.model.train()
     trainer.model.zero_grad(set_to_none=True)
     trainer.current_gradient_accumulation_steps = (
@@ -1205,25 +1350,92 @@ def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
 
 
 def parity_cases():
-    """Every combination: loss type x β (KL to π_ref) x ε_high (clip-higher) x δ (dual clip) x ratio
-    level."""
+    """Every case but parity_accumulation's: dicts of our train.LossSettings fields (those left out
+    at their defaults) and, for the given importance weights, "weights": "token" or "sequence".
+    - eq. 3's clipped surrogate, every combination: loss type x β (KL to π_ref) x ε_high
+      (clip-higher) x δ (dual clip) x ratio level;
+    - CISPO (our loss_type dapo: TRL's aggregation): its cap E = 1 + ε_high x β x ratio level
+      (TRL only warns about sequence level with cispo), each E binding on some tokens of this
+      batch (parity_options): its token ratios reach 2.9, its sequence ratios 2.0, so a cap of 5
+      would test nothing;
+    - SAPO (our loss_type grpo): the temperatures (τ+, τ-) x β x ratio level;
+    - the entropy mask: ρ x loss type x β (at ρ = 0.5 the threshold is a near tie: the highest
+      dropped entropy lies 3 fp32 ulps below it on our side, 2 on TRL's; parity_options prints
+      both);
+    - the off-policy mask: δ (one dropping 3 of the 4 completions with Â < 0, one dropping 1) x
+      loss type x β;
+    - given weights, per token [N, C] and per completion [N, 1]: each loss type with the clip (β
+      on), CISPO and SAPO."""
+    loss_types, betas = ("grpo", "dapo", "dr_grpo"), (0.0, 0.04)
     for loss_type, beta, epsilon_high, delta, ratio_level in itertools.product(
-        ("grpo", "dapo", "dr_grpo"), (0.0, 0.04), (None, 0.28), (None, 1.5), ("token", "sequence")
+        loss_types, betas, (None, 0.28), (None, 1.5), ("token", "sequence")
     ):
-        yield dict(
-            loss_type=loss_type,
-            beta=beta,
-            epsilon_high=epsilon_high,
-            delta=delta,
+        yield parity_case(loss_type, beta, epsilon_high, delta, ratio_level)
+    caps = [("token", e) for e in (1.2, 1.28, 1.5, 2.0)] + [("sequence", e) for e in (1.2, 1.5)]
+    for (ratio_level, cap), beta in itertools.product(caps, betas):
+        yield parity_case("dapo", beta, cap - 1, ratio_level=ratio_level, surrogate="cispo")
+    temperatures = ((1.0, 1.05), (0.5, 2.0), (4.0, 0.25))
+    for (tau_pos, tau_neg), beta, ratio_level in itertools.product(
+        temperatures, betas, ("token", "sequence")
+    ):
+        yield parity_case(
+            "grpo",
+            beta,
             ratio_level=ratio_level,
+            surrogate="sapo",
+            sapo_tau_pos=tau_pos,
+            sapo_tau_neg=tau_neg,
         )
+    for rho, loss_type, beta in itertools.product((0.2, 0.5, 0.8), loss_types, betas):
+        yield parity_case(loss_type, beta, top_entropy=rho)
+    for delta, loss_type, beta in itertools.product((0.05, 0.5), loss_types, betas):
+        yield parity_case(loss_type, beta, off_policy_threshold=delta)
+    for weights in ("token", "sequence"):
+        for loss_type in loss_types:
+            yield parity_case(loss_type, 0.04, weights=weights)
+        yield parity_case("dapo", 0.0, 1.28 - 1, surrogate="cispo", weights=weights)
+        yield parity_case("grpo", 0.04, surrogate="sapo", weights=weights)
+
+
+def parity_case(loss_type, beta, epsilon_high=None, delta=None, ratio_level="token", **options):
+    return dict(
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        ratio_level=ratio_level,
+        **options,
+    )
+
+
+def parity_objective(case, max_tokens):
+    """Our settings for the case: its LossSettings fields (all its keys but "weights")."""
+    settings = {k: v for k, v in case.items() if k != "weights"}
+    return train.LossSettings(epsilon=0.2, max_tokens=max_tokens, **settings)
 
 
 def parity_name(case):
-    return (
-        f"{case['loss_type']:<7} beta={case['beta']:<4} eps_high={case['epsilon_high'] or '-':<4} "
-        f"delta={case['delta'] or '-':<3} {case['ratio_level']}"
+    """A table row's name: the settings of eq. 3's clipped surrogate as ours takes them, then each
+    newer option the case sets (CISPO's cap with TRL's epsilon_high for it; trl_loss)."""
+    eps_high = "-" if case["epsilon_high"] is None else f"{case['epsilon_high']:g}"
+    name = (
+        f"{case['loss_type']:<7} beta={case['beta']:<4} eps_high={eps_high:<4} "
+        f"delta={case['delta'] or '-':<3} {case['ratio_level']:<8}"
     )
+    surrogate, options = case.get("surrogate", "clip"), []
+    if surrogate == "cispo":
+        options.append(f"cispo (TRL epsilon_high={1 + case['epsilon_high']:g})")
+    if surrogate == "sapo":
+        tau = f"tau+={case.get('sapo_tau_pos', 1.0):g} tau-={case.get('sapo_tau_neg', 1.05):g}"
+        options.append(f"sapo {tau}")
+    if "top_entropy" in case:
+        options.append(f"top_entropy={case['top_entropy']:g}")
+    if "off_policy_threshold" in case:
+        options.append(f"off_policy_threshold={case['off_policy_threshold']:g}")
+    if case.get("weights"):
+        shape = "[N,T]" if case["weights"] == "token" else "[N,1]"
+        options.append(f"weights {shape}")
+    return f"{name} {', '.join(options)}".rstrip()
 
 
 def parity_accumulation(model, tokenizer, tmp, batch):
@@ -1250,7 +1462,7 @@ def parity_accumulation(model, tokenizer, tmp, batch):
         case = dict(
             loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token"
         )
-        objective = train.LossSettings(epsilon=0.2, max_tokens=tokens.shape[1], **case)
+        objective = parity_objective(case, tokens.shape[1])
         trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
         rows.append(
             parity_compare(
@@ -1278,8 +1490,8 @@ def parity_accumulation(model, tokenizer, tmp, batch):
 
 
 def worker_parity(a):
-    """e. (runs in the bench env): the table's rows, and how far TRL's per-token log-probs are from
-    ours."""
+    """e. (runs in the bench env): the table's rows, how far TRL's per-token log-probs and
+    entropies are from ours, and what each clip, cap and mask acts on."""
     import trl
 
     s = PARITY_SHAPE
@@ -1293,23 +1505,30 @@ def worker_parity(a):
     model.config._name_or_path = tmp
     batch = parity_batch(model)
     n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
-    rows = []
-    for case in parity_cases():
-        objective = train.LossSettings(epsilon=0.2, max_tokens=mask.shape[1], **case)
+    rows, cases = [], list(parity_cases())
+    for case in cases:
         trainer = parity_trainer(model, tokenizer, tmp, case, n)
+        weights = case.get("weights")
         rows.append(
             parity_compare(
                 parity_name(case),
-                parity_ours(model, batch, objective, n),
-                parity_trl(trainer, batch, [slice(None)]),
+                parity_ours(
+                    model, batch, parity_objective(case, mask.shape[1]), n, weights=weights
+                ),
+                parity_trl(trainer, batch, [slice(None)], weights=weights),
             )
         )
-    # TRL's per-token log-probs (its fused head at T) against ours (token_logprobs at T)
+    # TRL's per-token log-probs and entropies (its fused head at T) against ours (token_logprobs at
+    # T, as policy_update calls it)
     with torch.no_grad():
-        ids, attn = batch["rollouts"].input_ids, batch["rollouts"].attention_mask
-        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, mask.shape[1])[
-            0
-        ]
+        r = batch["rollouts"]
+        ids, attn, C = r.input_ids, r.attention_mask, mask.shape[1]
+        logps, trl_entropy = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attn, C, compute_entropy=True
+        )[:2]
+        _, entropy = sampling.token_logprobs(
+            model, ids, attn, C, r.temperature, entropy=True, group_size=r.group_size
+        )
     rows += parity_accumulation(model, tokenizer, tmp, batch)
     shutil.rmtree(tmp, ignore_errors=True)
     return dict(
@@ -1317,13 +1536,16 @@ def worker_parity(a):
         trl=trl.__version__,
         params=sum(p.numel() for p in model.parameters()),
         logp_diff=((logps - batch["current"]) * mask).abs().max().item(),
+        entropy_diff=((trl_entropy - entropy) * mask).abs().max().item(),
         tokens=int(mask.sum()),
         engaged=parity_engagement(batch),
+        options=parity_options(batch, cases, entropy, trainer, trl_entropy),
     )
 
 
 def bench_parity(a):
-    """e. The parity table; exits 1 if any case fails."""
+    """e. The parity table; exits 1 if any case fails, or any clip, cap or mask a case sets acts on
+    nothing (a mask: or on everything), so that its cases would test nothing."""
     t0 = time.perf_counter()
     r = run_worker(a, "parity")
     s = PARITY_SHAPE
@@ -1333,12 +1555,15 @@ def bench_parity(a):
         f"completion lengths {list(s['completion_lens'])} ({r['tokens']} tokens), T={s['temperature']}"
     )
     print(
-        f"per-token log-probs, max |ours - TRL|: {r['logp_diff']:.1e}; tokens each clip acts on: "
+        f"per-token log-probs, max |ours - TRL|: {r['logp_diff']:.1e}; entropies: "
+        f"{r['entropy_diff']:.1e}; tokens each clip acts on: "
         + "; ".join(
             f"{level} ratios: " + ", ".join(f"{k} {v}" for k, v in clips.items())
             for level, clips in r["engaged"].items()
         )
     )
+    for option in r["options"]:
+        print(f"{option['what']}: {option['text']}")
     width = max(len(row["case"]) for row in r["rows"])
     print(
         f"{'case':<{width}}  {'our loss':>12}  {'TRL loss':>12}  {'max|dgrad|':>10}  result (tol {PARITY_TOL:g})"
@@ -1349,15 +1574,15 @@ def bench_parity(a):
             f"{row['result']}"
         )
     failed = [row["case"] for row in r["rows"] if not row["ok"]]
+    passed = len(r["rows"]) - len(failed)
     failed += [
         f"{level} {clip} clip never engages"
         for level, clips in r["engaged"].items()
         for clip, count in clips.items()
         if count == 0
     ]
-    print(
-        f"{len(r['rows']) - len(failed)}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)"
-    )
+    failed += [f"{o['what']} {o['fail']}" for o in r["options"] if o["fail"]]
+    print(f"{passed}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)")
     if failed:
         sys.exit(f"parity FAILED: {', '.join(failed)}")
 
