@@ -308,8 +308,24 @@ def run_training(args, config_name, tokenizer, timer):
             eval_results=dict(evals),
             step_times=timer.step_times,
             seconds=time.perf_counter() - t0,
+            mismatch=logged_mismatch(args.output_dir),
         ),
     )
+
+
+MISMATCH = ("mismatch_kl", "mismatch_max_ratio", "truncation_gap")
+
+
+def logged_mismatch(output_dir):
+    """Each step's sampler-trainer mismatch from the run's metrics.jsonl (train.py logs it with
+    --log-mismatch or --sampler-correction): {name: [per step]}, {} without it."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if MISMATCH[0] in r]
+    return {name: [r[name] for r in rows] for name in MISMATCH} if rows else {}
 
 
 def evaluations_due(args, task):
@@ -558,6 +574,8 @@ def print_run(report):
         + "".join(f"{s:>8.2f}" for s in run["step_times"])
     )
     print("  (step 0: before training; evaluation and checkpoint count at the step they follow)")
+    for name, values in run.get("mismatch", {}).items():  # with -- --log-mismatch
+        print(f"  {name:<17}per step: " + " ".join(f"{v:.3g}" for v in values))
     mem = report["memory"]
     # scripts/bench.py --memory's arithmetic against the measured peaks, above the baseline
     if mem.get("model"):

@@ -6,6 +6,7 @@ over GSM8K-like text, with a chat template.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
         kit,
         *"--compile-backend aot_eager --rows 16 --out".split(),
         str(out),
-        *"-- --max-new-tokens 4 --eval-limit 2 --dtype bf16".split(),
+        *"-- --max-new-tokens 4 --eval-limit 2 --dtype bf16 --log-mismatch".split(),
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     done = subprocess.run(
@@ -148,6 +149,11 @@ def test_cpu_smoke_runs_three_steps_times_every_phase_and_decode(kit, tmp_path):
     assert floor["floor_ms_per_token"] > 0 and floor["bandwidth_bytes_per_s"] > 0
     assert floor["eager_over_floor"] > 0 and floor["compiled_over_floor"] > 0
     assert "===== OK" in done.stdout and "decode: 16 rows" in done.stdout
+    # --log-mismatch: each step's sampler-trainer mismatch, in the report and on its page
+    mismatch = run["mismatch"]
+    assert set(mismatch) == {"mismatch_kl", "mismatch_max_ratio", "truncation_gap"}
+    assert all(len(v) == 3 and all(math.isfinite(x) for x in v) for v in mismatch.values())
+    assert all(r >= 1 for r in mismatch["mismatch_max_ratio"]) and "mismatch_kl" in done.stdout
 
 
 @pytest.mark.slow
