@@ -169,12 +169,9 @@ def grpo_loss(
     # fmt: on
     if stats is not None:
         with torch.no_grad():
-            if surrogate == "clip":
-                high_clip, low_clip = (
-                    (ratio > 1 + eps_high) & (adv > 0),
-                    (ratio < 1 - epsilon) & (adv < 0),
-                )
-                clip_active = high_clip | low_clip
+            if surrogate == "clip":  # the clipped term is the smaller one
+                clip_active = (ratio > 1 + eps_high) & (adv > 0)
+                clip_active |= (ratio < 1 - epsilon) & (adv < 0)
                 if delta is not None:
                     clip_active |= (ratio > delta) & (adv < 0)
             elif surrogate == "cispo":
