@@ -104,8 +104,9 @@ def test_with_top_k_and_top_p_drawn_plus_log_kept_is_the_full_softmax_and_the_ga
 
 def test_the_numerical_mismatch_is_zero_in_fp32_and_above_zero_and_finite_under_bf16():
     # SmolLM2-135M's width (576): at 64 wide the CPU's bf16 kernels give the decode (one query
-    # row) and the training forward (all rows) the same sums bit for bit; at 576 they block the
-    # sums differently. Measured: k3 1.4e-7, largest ratio 1.004 (bf16); 9e-14, 1 + 1e-6 (fp32).
+    # row) and the training forward (all rows) the same sums (log-probs within an fp32 ulp); at
+    # 576 they block the sums differently. Measured: k3 1.4e-7, largest ratio 1.004 (bf16); 9e-14,
+    # 1 + 1e-6 (fp32).
     model = demo.tiny_llama(97, 0, hidden_size=576, intermediate_size=1152, num_hidden_layers=2)
     settings = sampling.Sampling(1.0, 0, 1.0, 10)
     _, record, trainer, keep = decode_and_score(model.eval(), settings)
