@@ -330,43 +330,36 @@ def concat_rollouts(parts):
             dim=1,
         )
 
+    def completions(name):  # [n, c] -> [n, C] for every part, concatenated; None if absent
+        if getattr(parts[0], name) is None:
+            return None
+        return torch.cat(
+            [
+                torch.nn.functional.pad(x, (0, C - x.shape[1]))
+                for x in (getattr(r, name) for r in parts)
+            ]
+        )
+
+    def rows(name):  # [n] for every part, concatenated; None if absent
+        return (
+            None
+            if getattr(parts[0], name) is None
+            else torch.cat([getattr(r, name) for r in parts])
+        )
+
     return Rollouts(
         torch.cat([pad(r, r.input_ids, 0) for r in parts]),
         torch.cat([pad(r, r.attention_mask, 0) for r in parts]),
-        torch.cat(
-            [
-                torch.nn.functional.pad(r.completion_mask, (0, C - r.completion_mask.shape[1]))
-                for r in parts
-            ]
-        ),
+        completions("completion_mask"),
         [t for r in parts for t in r.texts],
         parts[0].group_size,
         parts[0].temperature,
-        torch.cat([r.truncated for r in parts]),
-        **(
-            dict(
-                forced=torch.cat(
-                    [torch.nn.functional.pad(r.forced, (0, C - r.forced.shape[1])) for r in parts]
-                ),
-                tool_calls=torch.cat([r.tool_calls for r in parts]),
-                tool_errors=torch.cat([r.tool_errors for r in parts]),
-            )
-            if parts[0].forced is not None
-            else {}
-        ),
-        **(
-            {
-                name: torch.cat(
-                    [
-                        torch.nn.functional.pad(getattr(r, name), (0, C - r.log_kept.shape[1]))
-                        for r in parts
-                    ]
-                )
-                for name in ("sampler_logps", "log_kept")
-            }
-            if parts[0].sampler_logps is not None
-            else {}
-        ),
+        rows("truncated"),
+        forced=completions("forced"),
+        tool_calls=rows("tool_calls"),
+        tool_errors=rows("tool_errors"),
+        sampler_logps=completions("sampler_logps"),
+        log_kept=completions("log_kept"),
     )
 
 

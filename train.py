@@ -194,8 +194,9 @@ class Settings:
             sampling=sampling.Sampling.of(args),
             eval=evaluation.EvalSettings.of(args),
             loss=LossSettings.of(args),
-            correction=args.sampler_correction
-            and (args.sampler_correction, args.sampler_ratio_min, args.sampler_ratio_max),
+            correction=(args.sampler_correction, args.sampler_ratio_min, args.sampler_ratio_max)
+            if args.sampler_correction
+            else None,
             seed=args.seed,
             scale_rewards=args.scale_rewards,
             mask_truncated=args.mask_truncated,
