@@ -1,5 +1,6 @@
-"""The command line of train.py: every flag with its default and help (as `train.py --help` prints
-them), and the checks that turn bad input into one clear paragraph (UserError), not a traceback.
+"""The command line of trainer.py: every flag with its default and help (as
+`trainer.py --help` prints them), and the checks that turn bad input into one clear paragraph
+(UserError), not a traceback.
 
 The defaults are those of Pramodith's GRPO trainer blog, whose SmolLM2-1.7B-Instruct run on GSM8K
 this project sets out to reproduce; --demo and --task addition swap in their own (below).

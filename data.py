@@ -6,7 +6,7 @@ the data lives in the openai/grade-school-math GitHub repository (MIT license). 
 --eval-data also take a Hugging Face dataset (the Hub's openai/gsm8k, a save_to_disk directory,
 Parquet files...), read by support/hf_datasets.py; its rows are built and checked as JSONL rows are.
 
-How train.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed,
+How trainer.py uses this file: the rows of step s are batch_at(task.train, prompts_per_step, seed,
 s), a pure function of the step, so a resumed run continues with exactly the batches it would have
 seen (no iterator state to save); each row's prompt (a GSM8K question) goes through
 task.template, and its answer (the reference number) is repeated G times beside the G completions
@@ -197,7 +197,7 @@ def own_row(where, record, prompt_field, answer_field):
     if reserved:
         raise ValueError(
             f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
-            "from train.py; rename the field"
+            "from trainer.py; rename the field"
         )
     return {"prompt": record[prompt_field], "answer": record[answer_field], "fields": others}
 

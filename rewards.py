@@ -186,7 +186,7 @@ def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int)
     return penalties
 
 
-# The rewards that fit the contract, by the names train.py uses for flags and logging.
+# The rewards that fit the contract, by the names trainer.py uses for flags and logging.
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}
 # --extract-answer's built-ins: the answer a completion gives, for maj@k
 ANSWER_EXTRACTORS = {"gsm8k": extract_answer, "last-number": last_number}
@@ -242,7 +242,7 @@ def score(reward_fns, completions, answers, **columns):
     - it must return within its Reward.timeout (--reward-timeout);
     - it must return one finite float32 number per completion.
     A reward error stops the run here: a UserError naming the function, what was wrong, and the
-    start of the offending completion (train.py then saves a checkpoint and exits with code 2)."""
+    start of the offending completion (trainer.py then saves a checkpoint and exits with code 2)."""
     per_fn = {}
     for r in reward_fns:
         declared = sandbox.declared_columns(r.fn, columns)

@@ -14,8 +14,8 @@ result's tokens are appended, nothing is re-tokenized. A result's tokens are nev
 markers or EOS, so a tool returning "<tool>" or "<|im_end|>" neither calls a tool nor ends the
 completion.
 
-In the loss (train.py, grpo.py), forced tokens are context: attended to, but out of the loss, out of
-|o_i| and every length, out of the KL and the entropy (Rollouts.completion_mask is 0 on them,
+In the loss (trainer.py, grpo.py), forced tokens are context: attended to, but out of the loss,
+out of |o_i| and every length, out of the KL and the entropy (Rollouts.completion_mask is 0 on them,
 Rollouts.forced says which they are). The rewards see the whole exchange, results included, and
 may ask for `tool_calls`, each completion's number of calls.
 

@@ -1,4 +1,4 @@
-"""Benchmarks: train.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table
+"""Benchmarks: trainer.py's own pieces, timed (nanoGPT's bench.py, for GRPO). Prints a short table
 last. Run from the repository root:
 
     python -m scripts.bench                    # --logprobs, then --step --config tiny: minutes
@@ -43,7 +43,7 @@ import data
 import grpo
 import rewards
 import sampling
-import train
+import trainer
 from support import decode, demo
 from support.phases import Phases
 
@@ -436,7 +436,7 @@ class RunEnds(Exception):
 
 
 class TimedSteps(Phases):
-    """worker_ours' timing of train.train's loop, through its phase hook (support/phases.py), the
+    """worker_ours' timing of trainer.train's loop, through its phase hook (support/phases.py), the
     way gpu_check.PhaseTimer does: record gets one {phase: (wall s, extra peak bytes, CPU s)} per
     step, a phase's calls within it added up (phase(accumulate=True)). A step is train's "step"
     phase: data.batch_at (line 5) to its log line; its extra memory is its phases' largest. Each
@@ -492,7 +492,7 @@ class LengthsSeenTask(data.Task):
 
 
 def loop_flags(a, output_dir):
-    """train.py's flags for the step bench.py and TRL's side both run (trl_config: the same
+    """trainer.py's flags for the step bench.py and TRL's side both run (trl_config: the same
     settings)."""
     return [
         *("--steps", a.warmup + a.steps, "--batch-size", a.batch_size),
@@ -514,7 +514,7 @@ def loop_flags(a, output_dir):
 
 
 def worker_ours(a):
-    """b. (and c.'s side A): train.train itself, a.warmup + a.steps steps on random prompts, every
+    """b. (and c.'s side A): trainer.train itself, a.warmup + a.steps steps on random prompts, every
     phase timed through its phase hook (TimedSteps) and the completion lengths forced as TRL's side
     forces them."""
     model = build_model(a.config)
@@ -534,7 +534,7 @@ def worker_ours(a):
         args = config.parse_args([str(x) for x in loop_flags(a, tmp)])
         torch.manual_seed(0)
         try:
-            train.train(args, task, model, tokenizer, phases=timer)
+            trainer.train(args, task, model, tokenizer, phases=timer)
         except RunEnds:  # after the last step's log line
             pass
     made, record = task.scored_lengths, timer.record
@@ -584,7 +584,7 @@ def worker_trl(a):
         def on_step_end(self, args, state, control, **kwargs):
             times.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
 
-    trainer = GRPOTrainer(
+    trl_trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
         args=config,
@@ -592,12 +592,12 @@ def worker_trl(a):
         processing_class=tokenizer,
         callbacks=[StepTimer()],
     )
-    same_ref = trainer.ref_model is None or abs(checksum(trainer.ref_model) - start) < 1e-6 * abs(
-        start
-    )
-    generated = time_phases(trainer, times, record)
+    same_ref = trl_trainer.ref_model is None or abs(
+        checksum(trl_trainer.ref_model) - start
+    ) < 1e-6 * abs(start)
+    generated = time_phases(trl_trainer, times, record)
     mem_start()  # peak memory from here: the training steps, as PEAK for ours
-    trainer.train()
+    trl_trainer.train()
     peak = mem_peak()
     shutil.rmtree(tmp, ignore_errors=True)
     if generated != [x for row in lengths for x in expected_lengths(row, a.max_new_tokens)]:
@@ -629,7 +629,7 @@ def trl_reward(fn):
     return reward
 
 
-def time_phases(trainer, times, record):
+def time_phases(trl_trainer, times, record):
     """Wrap TRL's generate, rewards and no-grad log-prob methods to time them (measurement only):
     record[step][phase] accumulates (wall s, CPU s). Returns the list that will hold each generated
     completion's length."""
@@ -652,11 +652,11 @@ def time_phases(trainer, times, record):
 
         return wrapper
 
-    trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
-    trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed(
+    trl_trainer._generate_single_turn = timed("generate", trl_trainer._generate_single_turn)
+    trl_trainer._calculate_rewards = timed("rewards", trl_trainer._calculate_rewards)
+    trl_trainer._get_per_token_logps_and_entropies = timed(
         "ref+old logps",
-        trainer._get_per_token_logps_and_entropies,
+        trl_trainer._get_per_token_logps_and_entropies,
         when=lambda: not torch.is_grad_enabled(),
     )
     return lengths
@@ -958,7 +958,7 @@ def bench_rollout(a):
 
 # --------------------------------------------------------------------------------------------------
 # e. Parity with TRL's loss: the same model, batch, advantages, π_old and π_ref log-probs and
-# settings through train.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through
+# settings through trainer.policy_update (sampling.token_logprobs + grpo.grpo_loss) and through
 # GRPOTrainer.compute_loss (trl 1.16.0); the losses and the gradients of every parameter must agree.
 # One tiny fp32 Llama, one batch, one process (the bench env's python, where TRL is installed; our
 # side runs there too, on the same torch and transformers).
@@ -1029,7 +1029,7 @@ def parity_batch(model):
         s["temperature"],
     )
     advantages = grpo.group_advantages(torch.rand(len(lengths), generator=g), G)
-    current = train.frozen_logps(model, rollouts, len(lengths)) * completion_mask
+    current = trainer.frozen_logps(model, rollouts, len(lengths)) * completion_mask
     noise = 0.3 * torch.randn(current.shape, generator=g) + 0.6 * torch.randn(
         len(lengths), 1, generator=g
     )
@@ -1164,14 +1164,14 @@ def named_grads(model):
 
 def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
     """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of
-    `micro` rows: train.policy_update itself, with an optimizer that cannot move the weights (SGD at
-    lr 0) and no clipping (max norm inf: clip_grad_norm_ multiplies by exactly 1), so the gradients
-    stay in .grad.
+    `micro` rows: trainer.policy_update itself, with an optimizer that cannot move the weights
+    (SGD at lr 0) and no clipping (max norm inf: clip_grad_norm_ multiplies by exactly 1), so the
+    gradients stay in .grad.
 
     weights: "token" or "sequence", the batch's given importance weights w of that shape, applied
     the way a run applies --sampler-correction's: the rollouts carry sampler log-probs log π_old -
     log w (log w spread evenly over a completion's tokens for "sequence": their sum is log w_i), so
-    train.sampler_correction's π_old / π_sampler, truncated to [0, inf] (not at all), is w."""
+    trainer.sampler_correction's π_old / π_sampler, truncated to [0, inf] (not at all), is w."""
     r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
     mask, correction, sampler = r.completion_mask, None, {}
     if weights is not None:
@@ -1202,7 +1202,7 @@ def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
             return super().step(closure)
 
     optimizer = Recording(model.parameters(), lr=0.0)
-    stats, _ = train.policy_update(
+    stats, _ = trainer.policy_update(
         model,
         optimizer,
         get_scheduler("constant", optimizer),
@@ -1222,13 +1222,13 @@ def parity_trainer(
     model, tokenizer, tmp, case, per_device, accumulation=1, steps_per_generation=None
 ):
     """A GRPOTrainer around a copy of the model (TRL patches the copy's forward with its fused
-    log-prob head), set as ours for the case (parity_cases: our train.LossSettings fields, and
+    log-prob head), set as ours for the case (parity_cases: our trainer.LossSettings fields, and
     "weights"): same loss, ε, ε_high, δ, β, ratio level, temperature, max_completion_length, and
     the case's options in TRL's terms (trl_loss); every other TRL extra off.
 
     A case with given weights: TRL multiplies each token's policy loss by
-    inputs["importance_sampling_ratio"] only when trainer.use_vllm and
-    trainer.vllm_importance_sampling_correction, because it computes that ratio (π_old / π_vLLM)
+    inputs["importance_sampling_ratio"] only when trl_trainer.use_vllm and
+    trl_trainer.vllm_importance_sampling_correction, because it computes that ratio (π_old / π_vLLM)
     only on its vLLM generation path. There is no vLLM here and no generation at all: both
     attributes are set to True on the constructed trainer (use_vllm=True in the config would start
     vLLM), and parity_trl hands it the same weights ours gets; compute_loss reads use_vllm nowhere
@@ -1273,7 +1273,7 @@ def parity_trainer(
     )
     # unused: no generation happens here
     dataset = Dataset.from_dict({"prompt": ["w0"] * 8, "answer": ["42"] * 8})
-    trainer = GRPOTrainer(
+    trl_trainer = GRPOTrainer(
         model=copy.deepcopy(model),
         reward_funcs=[trl_reward(f) for f in rewards.REWARD_FUNCS.values()],
         args=args,
@@ -1281,8 +1281,8 @@ def parity_trainer(
         processing_class=tokenizer,
     )
     if case.get("weights"):  # its vLLM path's weighting, on the weights parity_trl passes
-        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-    return trainer
+        trl_trainer.use_vllm = trl_trainer.vllm_importance_sampling_correction = True
+    return trl_trainer
 
 
 def trl_loss(case):
@@ -1301,7 +1301,7 @@ def trl_loss(case):
     )
 
 
-def parity_trl(trainer, batch, micro_rows, accumulation=1, weights=None):
+def parity_trl(trl_trainer, batch, micro_rows, accumulation=1, weights=None):
     """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice
     of the generation batch, backward after each, as Trainer.training_step does (GRPOTrainer's
     loss_is_scaled_for_ga: Trainer adds no scaling of its own). Returns the sum of the micro-batch
@@ -1311,9 +1311,9 @@ def parity_trl(trainer, batch, micro_rows, accumulation=1, weights=None):
     inputs = batch["trl"]
     if weights is not None:
         inputs = dict(inputs, importance_sampling_ratio=batch["weights"][weights])
-    trainer.model.train()
-    trainer.model.zero_grad(set_to_none=True)
-    trainer.current_gradient_accumulation_steps = (
+    trl_trainer.model.train()
+    trl_trainer.model.zero_grad(set_to_none=True)
+    trl_trainer.current_gradient_accumulation_steps = (
         accumulation  # what Trainer's loop sets for each window
     )
     losses = []
@@ -1322,10 +1322,10 @@ def parity_trl(trainer, batch, micro_rows, accumulation=1, weights=None):
         # num_items_in_batch: the tokens of the whole generation batch (all micro-batches), as TRL
         # computes it
         micro["num_items_in_batch"] = inputs["completion_mask"].sum()
-        loss = trainer.compute_loss(trainer.model, micro)
+        loss = trl_trainer.compute_loss(trl_trainer.model, micro)
         loss.backward()
         losses.append(loss.item())
-    return sum(losses), named_grads(trainer.model)
+    return sum(losses), named_grads(trl_trainer.model)
 
 
 def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
@@ -1350,8 +1350,9 @@ def parity_compare(name, ours, trl, trl_scale=1.0, note=""):
 
 
 def parity_cases():
-    """Every case but parity_accumulation's: dicts of our train.LossSettings fields (those left out
-    at their defaults) and, for the given importance weights, "weights": "token" or "sequence".
+    """Every case but parity_accumulation's: dicts of our trainer.LossSettings fields (those
+    left out at their defaults) and, for the given importance weights, "weights": "token" or
+    "sequence".
     - eq. 3's clipped surrogate, every combination: loss type x β (KL to π_ref) x ε_high
       (clip-higher) x δ (dual clip) x ratio level;
     - CISPO (our loss_type dapo: TRL's aggregation): its cap E = 1 + ε_high x β x ratio level
@@ -1411,7 +1412,7 @@ def parity_case(loss_type, beta, epsilon_high=None, delta=None, ratio_level="tok
 def parity_objective(case, max_tokens):
     """Our settings for the case: its LossSettings fields (all its keys but "weights")."""
     settings = {k: v for k, v in case.items() if k != "weights"}
-    return train.LossSettings(epsilon=0.2, max_tokens=max_tokens, **settings)
+    return trainer.LossSettings(epsilon=0.2, max_tokens=max_tokens, **settings)
 
 
 def parity_name(case):
@@ -1463,15 +1464,15 @@ def parity_accumulation(model, tokenizer, tmp, batch):
             loss_type=loss_type, beta=0.04, epsilon_high=0.28, delta=1.5, ratio_level="token"
         )
         objective = parity_objective(case, tokens.shape[1])
-        trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
+        trl_trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, accumulation=2)
         rows.append(
             parity_compare(
                 f"{loss_type:<7} all on, GAS=2: 2 micro-batches, 1 step",
                 parity_ours(model, batch, objective, n // 2),
-                parity_trl(trainer, batch, halves, 2),
+                parity_trl(trl_trainer, batch, halves, 2),
             )
         )
-        trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, steps_per_generation=2)
+        trl_trainer = parity_trainer(model, tokenizer, tmp, case, n // 2, steps_per_generation=2)
         for i, half in enumerate(halves):
             scale = (
                 tokens.sum().item() / 2 / tokens[half].sum().item() if loss_type == "dapo" else 1.0
@@ -1481,7 +1482,7 @@ def parity_accumulation(model, tokenizer, tmp, batch):
                 parity_compare(
                     f"{loss_type:<7} all on, steps_per_generation=2: step {i + 1}",
                     parity_ours(model, batch, objective, n // 2, half),
-                    parity_trl(trainer, batch, [half]),
+                    parity_trl(trl_trainer, batch, [half]),
                     scale,
                     note,
                 )
@@ -1507,7 +1508,7 @@ def worker_parity(a):
     n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
     rows, cases = [], list(parity_cases())
     for case in cases:
-        trainer = parity_trainer(model, tokenizer, tmp, case, n)
+        trl_trainer = parity_trainer(model, tokenizer, tmp, case, n)
         weights = case.get("weights")
         rows.append(
             parity_compare(
@@ -1515,7 +1516,7 @@ def worker_parity(a):
                 parity_ours(
                     model, batch, parity_objective(case, mask.shape[1]), n, weights=weights
                 ),
-                parity_trl(trainer, batch, [slice(None)], weights=weights),
+                parity_trl(trl_trainer, batch, [slice(None)], weights=weights),
             )
         )
     # TRL's per-token log-probs and entropies (its fused head at T) against ours (token_logprobs at
@@ -1523,8 +1524,8 @@ def worker_parity(a):
     with torch.no_grad():
         r = batch["rollouts"]
         ids, attn, C = r.input_ids, r.attention_mask, mask.shape[1]
-        logps, trl_entropy = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attn, C, compute_entropy=True
+        logps, trl_entropy = trl_trainer._get_per_token_logps_and_entropies(
+            trl_trainer.model, ids, attn, C, compute_entropy=True
         )[:2]
         _, entropy = sampling.token_logprobs(
             model, ids, attn, C, r.temperature, entropy=True, group_size=r.group_size
@@ -1539,7 +1540,7 @@ def worker_parity(a):
         entropy_diff=((trl_entropy - entropy) * mask).abs().max().item(),
         tokens=int(mask.sum()),
         engaged=parity_engagement(batch),
-        options=parity_options(batch, cases, entropy, trainer, trl_entropy),
+        options=parity_options(batch, cases, entropy, trl_trainer, trl_entropy),
     )
 
 
@@ -1588,7 +1589,7 @@ def bench_parity(a):
 
 
 # --------------------------------------------------------------------------------------------------
-# d. Memory from the architecture: what a run of train.py holds on the device, by part (bytes =
+# d. Memory from the architecture: what a run of trainer.py holds on the device, by part (bytes =
 # count x width).
 
 
@@ -1620,7 +1621,7 @@ def activation_bytes_per_token_layer(name, amp):
 
 
 def memory_phases(a):
-    """What a train.py run of this config holds on the device in each phase, part by part (bytes),
+    """What a trainer.py run of this config holds on the device in each phase, part by part (bytes),
     computed from the architecture: {phase: [(part, bytes)]}. The phases are the loop's (generate,
     reference log-probs, policy forward + backward, optimizer) and the evaluation's. What each phase
     holds:
@@ -1711,7 +1712,7 @@ def memory_phases(a):
 
 
 def memory_table(a):
-    """The device memory of a train.py run of this config, phase by phase (memory_phases), in GB
+    """The device memory of a trainer.py run of this config, phase by phase (memory_phases), in GB
     (1e9 bytes)."""
     phases = memory_phases(a)
     n = sum(p.numel() for p in build_model_meta(a.config).parameters())
@@ -1823,7 +1824,7 @@ def build_parser():
         metavar="MODEL",
         help="d. completion tokens/s of one rollout of a real model (a local directory or hub id): the "
         "first --batch-size GSM8K test questions x G, --max-new-tokens each (EOS suppressed), as "
-        "train.py samples them (--threads, default here 2)",
+        "trainer.py samples them (--threads, default here 2)",
     )
     p.add_argument(
         "--compile",
@@ -1831,7 +1832,7 @@ def build_parser():
         const="inductor",
         default=None,
         metavar="BACKEND",
-        help="--step, --vs-trl: our side as train.py --compile runs it (torch.compile'd decode step and "
+        help="--step, --vs-trl: our side as trainer.py --compile runs it (torch.compile'd decode step and "
         "log-prob forwards)",
     )
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Check the headline run, `python train.py --model SmolLM2-1.7B-Instruct`, on a GPU machine
+"""Check the headline run, `python trainer.py --model SmolLM2-1.7B-Instruct`, on a GPU machine
 without network.
 
     python -m scripts.gpu_check --prepare DIR   # here, once, DIR a SmolLM2 model: writes gpu_kit/
@@ -6,13 +6,13 @@ without network.
     python -m scripts.gpu_check --out $OUT/gpu_check_compile.json -- --compile   # train's flags
     python -m scripts.gpu_check --config tiny --device cpu -- --max-new-tokens 8 --eval-limit 4
 
-(the last: the CPU smoke test; train.py's flags go after --.)
+(the last: the CPU smoke test; trainer.py's flags go after --.)
 
 The GPU run builds the SmolLM2-1.7B architecture with random weights (time and memory do not
-depend on the weights, and none can be downloaded there) and runs train.py's own loop with its
+depend on the weights, and none can be downloaded there) and runs trainer.py's own loop with its
 default flags (G = 8, 4 prompts per step, 300 new tokens, beta = 0.04, bf16 autocast over fp32
 master weights) for 3 steps, with an evaluation on 16 questions before and after, on real GSM8K
-prompts. It reports seconds and peak memory per phase (timed through train.train's phase hook,
+prompts. It reports seconds and peak memory per phase (timed through trainer.train's phase hook,
 support/phases.py), whether the run fits a 40 GB card, and decode ms/token at 32 rows, eager and
 compiled, against the memory-bandwidth floor; --out FILE saves it as JSON. Exit code 1 if the run
 or the decode timing failed.
@@ -47,7 +47,7 @@ from transformers import AutoTokenizer
 import config
 import data
 import sampling
-import train
+import trainer
 from scripts import bench
 from support import decode, demo, models
 from support.phases import Phases
@@ -58,7 +58,7 @@ GIB = 2**30
 # share of it (outside torch's allocator, so not in max_memory_reserved).
 CARDS = {"40 GB": 40536 * 2**20, "80 GB": 81559 * 2**20}
 CUDA_CONTEXT = 600 * 2**20
-# train.py's phases (support/phases.py) -> the names this check reports them under; "step" and
+# trainer.py's phases (support/phases.py) -> the names this check reports them under; "step" and
 # "rewards" are not timed here.
 PHASES = {
     "generate": "generate",
@@ -181,7 +181,7 @@ class Frame:
 
 
 class PhaseTimer(Phases):
-    """Times train.train's phases through its phase hook (support/phases.py: passed as
+    """Times trainer.train's phases through its phase hook (support/phases.py: passed as
     train(..., phases=timer)), recording (phase, step, seconds, peak memory) per call of each phase
     in PHASES. A phase nested in another (the optimizer inside the update) is cut out of it: each
     phase's time and peak are its own. An evaluation's rollouts count as evaluation (train never
@@ -259,7 +259,7 @@ class PhaseTimer(Phases):
 
 
 # --------------------------------------------------------------------------------------------------
-# The run: train.py's loop on a random-weight model.
+# The run: trainer.py's loop on a random-weight model.
 
 
 def build_model(config_name, tokenizer, device):
@@ -277,18 +277,18 @@ def build_model(config_name, tokenizer, device):
 
 
 def run_training(args, config_name, tokenizer, timer):
-    """train.py's run, as train.main makes it, on the random-weight model: the task as the flags
-    make it (train.load_task), the model built here (checked against the context as train.setup
-    checks a loaded one), then train.train with `timer` as its phase hook. Returns (model or None,
+    """trainer.py's run, as trainer.main makes it, on the random-weight model: the task as the flags
+    make it (trainer.load_task), the model built here (checked against the context as trainer.setup
+    checks a loaded one), then trainer.train with `timer` as its phase hook. Returns (model or None,
     task or None, what happened)."""
     task = model = error = None
     evals, t0 = [], time.perf_counter()
     try:
         transformers.set_seed(args.seed)
-        task = train.load_task(args)
+        task = trainer.load_task(args)
         model = build_model(config_name, tokenizer, args.device)
         models.check_context(args.max_new_tokens, args.max_prompt_length, model.config, config_name)
-        evals = train.train(args, task, model, tokenizer, phases=timer)
+        evals = trainer.train(args, task, model, tokenizer, phases=timer)
     # the report says what failed (CUDA out of memory, ...); the traceback goes to stderr
     except Exception as e:
         traceback.print_exc()
@@ -317,7 +317,7 @@ MISMATCH = ("mismatch_kl", "mismatch_max_ratio", "truncation_gap")
 
 
 def logged_mismatch(output_dir):
-    """Each step's sampler-trainer mismatch from the run's metrics.jsonl (train.py logs it with
+    """Each step's sampler-trainer mismatch from the run's metrics.jsonl (trainer.py logs it with
     --log-mismatch or --sampler-correction): {name: [per step]}, {} without it."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -329,13 +329,13 @@ def logged_mismatch(output_dir):
 
 
 def evaluations_due(args, task):
-    """The steps after which train.py evaluates (0: before training), by train.eval_due."""
-    settings = train.Settings.of(args)
-    return [s for s in range(args.steps + 1) if train.eval_due(settings, task, s)]
+    """The steps after which trainer.py evaluates (0: before training), by trainer.eval_due."""
+    settings = trainer.Settings.of(args)
+    return [s for s in range(args.steps + 1) if trainer.eval_due(settings, task, s)]
 
 
 def train_flags(kit, device, output_dir):
-    """train.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's
+    """trainer.py's flags for the check: its defaults, but 3 steps, 16 eval questions and the kit's
     GSM8K rows."""
     return [
         "--model",
@@ -383,7 +383,7 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     settings = dataclasses.replace(sampling.Sampling.of(args), max_new_tokens=max_new)
     # an EOS after max_new tokens: never
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
-    eos, amp = sampling.eos_token_ids(model, tokenizer), train.Settings.of(args).autocast_dtype
+    eos, amp = sampling.eos_token_ids(model, tokenizer), trainer.Settings.of(args).autocast_dtype
 
     def generate():  # as sample_rollouts runs it: under the run's autocast
         with (
@@ -534,7 +534,7 @@ def predicted_phases(args, config_name, tokenizer, task):
         batch_size=args.batch_size,
         accumulation=args.gradient_accumulation_steps,
         num_generations=args.num_generations,
-        prompt_len=train.longest_prompt(task, tokenizer, None),
+        prompt_len=trainer.longest_prompt(task, tokenizer, None),
         max_new_tokens=args.max_new_tokens,
         beta=args.beta,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -654,7 +654,7 @@ def print_report(report):
         f"model: {report['config']}, random weights, {report['parameters']:,} parameters, vocab "
         f"{report['vocab_size']} | {report['device']}, {report['dtype']}"
     )
-    print(f"train.py {shlex.join(report['train_flags'])}")
+    print(f"trainer.py {shlex.join(report['train_flags'])}")
     print_run(report)
     print_decode(report)
     print(f"===== {'OK' if report['ok'] else 'FAILED'}")
@@ -665,13 +665,13 @@ def print_report(report):
 
 
 def parse(argv):
-    """(this script's options, train.py's flags: whatever follows --)."""
+    """(this script's options, trainer.py's flags: whatever follows --)."""
     own, rest = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Flags after -- go to train.py.",
+        epilog="Flags after -- go to trainer.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -690,7 +690,7 @@ def parse(argv):
         "--config", default="smollm2-1.7b", choices=list(bench.CONFIGS), help="the model's shape"
     )
     p.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="as train.py's --device"
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="as trainer.py's --device"
     )
     p.add_argument(
         "--max-new-tokens",
@@ -767,7 +767,7 @@ def decode_report(model, tokenizer, task, args, opts, meter, bandwidth):
     try:
         out["decode"] = decode_check(model, tokenizer, task, args, opts, meter)
         out["floor"] = decode_floor(
-            model, out["decode"], train.Settings.of(args).autocast_dtype, bandwidth
+            model, out["decode"], trainer.Settings.of(args).autocast_dtype, bandwidth
         )
     except Exception as e:
         traceback.print_exc()

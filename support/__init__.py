@@ -1,6 +1,6 @@
 """The support code: what a first reading of GRPO can skip.
 
-The algorithm is in the root's files (grpo.py the math, train.py the loop, sampling.py
+The algorithm is in the root's files (grpo.py the math, trainer.py the loop, sampling.py
 generation and log-probs, rewards.py, data.py, config.py). Here is what a real run needs around
 them, one job a file:
   evaluation.py      held-out evaluation: each reward's mean, pass@k, maj@k

@@ -1,7 +1,7 @@
 """The offline demo, and the tiny models built in code that the demo, the tests and scripts/bench.py
 share.
 
-    python train.py --demo   # a 2-layer Llama learns 1-digit addition from the reward alone, on CPU
+    python trainer.py --demo  # a 2-layer Llama learns 1-digit addition from the reward alone (CPU)
 
 The task: "3 + 4 =" -> "<answer> 7 </answer>", all 100 problems, scored by
 rewards.correctness_reward (the function the GSM8K run uses). The demo trains and measures on the

@@ -1,7 +1,7 @@
 """Data parallel under torchrun: the few things GRPO needs from torch.distributed, and nothing when
 run alone.
 
-    torchrun --standalone --nproc-per-node 2 train.py --demo  # 2 processes: gloo (CPU), NCCL (CUDA)
+    torchrun --standalone --nproc-per-node 2 trainer.py --demo  # 2 processes: gloo (CPU), NCCL
 
 Each process (rank) takes its own slice of the step's prompts, whole groups only, and generates,
 scores and back-propagates them. What must be global is made global here: the rewards (advantages
@@ -23,7 +23,7 @@ import sampling
 
 def init(device):
     """Join torchrun's process group when WORLD_SIZE > 1 (NCCL for CUDA, gloo for CPU) and pin
-    this process's GPU; silence stdout on every rank but 0. Plain `python train.py`: nothing
+    this process's GPU; silence stdout on every rank but 0. Plain `python trainer.py`: nothing
     happens."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return

@@ -3,7 +3,7 @@ on --resume, read back here), with --report-to the same rows and sampled complet
 or W&B (trackers.py, fed here), the closing before/after table, and the training curves drawn from
 them, OUTPUT_DIR/curves.png. matplotlib is optional; without it, one line says how to get the plot.
 
-    python train.py --plot OUTPUT_DIR    # draws OUTPUT_DIR/curves.png again, from its metrics.jsonl
+    python trainer.py --plot OUTPUT_DIR  # draws OUTPUT_DIR/curves.png again, from its metrics.jsonl
 
 Four panels by step: the mean reward of each reward function (the evaluations on held-out questions
 as large markers), the KL to the reference, the completion length, and the fraction of groups whose
@@ -128,7 +128,7 @@ def curves(output_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         print(
-            f"no plot: matplotlib is not installed (pip install matplotlib, then python train.py --plot {output_dir})"
+            f"no plot: matplotlib is not installed (pip install matplotlib, then python trainer.py --plot {output_dir})"
         )
         return None
     if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
@@ -201,7 +201,7 @@ def curves(output_dir):
     except OSError as e:
         raise WriteFailed(
             f"could not write {path}: {failure(e)}. The run itself is saved; free space, then "
-            f"python train.py --plot {output_dir} draws it again."
+            f"python trainer.py --plot {output_dir} draws it again."
         ) from None
     finally:
         plt.close(fig)

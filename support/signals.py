@@ -3,7 +3,7 @@
 StopRequests   SIGINT (Ctrl-C), SIGTERM and SIGHUP during train(): the step finishes, is saved, and
                the run exits with 128 + the signal's number (Stopped)
 DevNullWhenReaderGone  stdout and stderr that turn into /dev/null when whoever reads them is gone
-               (a dropped ssh session, `python train.py | head`), so training goes on
+               (a dropped ssh session, `python trainer.py | head`), so training goes on
 """
 
 import contextlib
@@ -144,11 +144,11 @@ STOPS = StopRequests()
 
 class DevNullWhenReaderGone:
     """stdout or stderr that outlives whoever reads it. When an ssh session drops, the terminal
-    hangs up: SIGHUP, then every write fails with EIO. When `python train.py | head` has its
+    hangs up: SIGHUP, then every write fails with EIO. When `python trainer.py | head` has its
     lines, every write fails with EPIPE. A failing print would end the run with a traceback and
     no save. Instead, from the first failed write on, the output goes to /dev/null and training
     goes on: metrics.jsonl, the checkpoints and the exit code record it all. Installed by
-    `python train.py` only, never by main() called from your code."""
+    `python trainer.py` only, never by main() called from your code."""
 
     def __init__(self, stream):
         self.stream, self.gone = stream, False

@@ -1,16 +1,16 @@
 """Trackers: a run's metrics.jsonl, also in TensorBoard and/or Weights & Biases (--report-to
 tensorboard,wandb).
 
-    python train.py --demo --report-to tensorboard --output-dir runs/demo-tb
+    python trainer.py --demo --report-to tensorboard --output-dir runs/demo-tb
     tensorboard --logdir runs/demo-tb/tensorboard
-    WANDB_MODE=offline python train.py --demo --report-to wandb --output-dir runs/demo-wandb
+    WANDB_MODE=offline python trainer.py --demo --report-to wandb --output-dir runs/demo-wandb
     wandb sync runs/demo-wandb/wandb/offline-*
 
 Every row of metrics.jsonl (a training step's, an evaluation's) goes to each tracker under the same
 names, at its step: the training step is the step axis. So do the run's flags (W&B: the run's
 config; TensorBoard: a text "flags") and, every --sample-every steps, the step's first group of
 completions with their rewards (a W&B table, a TensorBoard text, both "samples"). report.py feeds
-them as it writes metrics.jsonl, which stays the record: train.py's loop never sees a tracker.
+them as it writes metrics.jsonl, which stays the record: trainer.py's loop never sees a tracker.
 
 Both packages are optional extras, imported only when --report-to names them; a missing one is one
 paragraph before any model loads (parse). A tracker that cannot start stops the run before its first

@@ -15,7 +15,7 @@ Remote      a function in the worker, as the trainer holds it: callable, with th
 
 Why subprocess and pickle over pipes, not multiprocessing: the child runs `python -m
 support.worker`, which imports nothing but the standard library and the user's module (no torch,
-no train.py, as "spawn" would re-import the main module); the pipes are the child's own file
+no trainer.py, as "spawn" would re-import the main module); the pipes are the child's own file
 descriptors (a print in user code cannot corrupt the protocol); the child is a new session, so a
 Ctrl-C at the terminal reaches the trainer alone, which decides what happens to the child; and a
 trainer killed outright leaves a child that reads end-of-file and exits.

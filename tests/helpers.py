@@ -18,7 +18,7 @@ import config
 import grpo
 import rewards
 import sampling
-import train
+import trainer
 from support import checkpoint, decode, demo
 
 TOL = 1e-6  # see test_grpo.py's docstring
@@ -84,13 +84,13 @@ def varied_reward(completions, answers):
 
 
 def run_tiny(out_dir, *extra, reward=varied_reward):
-    """train.py with tiny_argv's flags, on the demo's task with `reward` as its reward function:
+    """trainer.py with tiny_argv's flags, on the demo's task with `reward` as its reward function:
     the task is handed to train(), as your own task would be."""
     args = config.parse_args(tiny_argv(out_dir, *extra))
     resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
-    task, model, tokenizer = train.setup(args, resume_dir)
+    task, model, tokenizer = trainer.setup(args, resume_dir)
     task = dataclasses.replace(task, rewards=[rewards.Reward("correctness", reward, 1.0)])
-    return train.train(args, task, model, tokenizer, resume_dir)
+    return trainer.train(args, task, model, tokenizer, resume_dir)
 
 
 def read_metrics(out_dir):
@@ -202,12 +202,12 @@ def tiny_reward_model_dir(tmp_path, num_labels=1, name="tiny-rm"):
 
 
 def torchrun_command(out_dir, *argv, nproc=2):
-    """python -m torch.distributed.run ... train.py --demo on the CPU, with `argv`."""
+    """python -m torch.distributed.run ... trainer.py --demo on the CPU, with `argv`."""
     return [
         sys.executable,
         *"-m torch.distributed.run --standalone --nproc-per-node".split(),
         str(nproc),
-        os.path.join(ROOT, "train.py"),
+        os.path.join(ROOT, "trainer.py"),
         *CPU,
         *"--demo --output-dir".split(),
         str(out_dir),
@@ -225,7 +225,7 @@ def torchrun_env():
 
 
 def torchrun(out_dir, *argv, nproc=2):
-    """train.py --demo under torchrun with `argv`, to the end (exit code 0): its output."""
+    """trainer.py --demo under torchrun with `argv`, to the end (exit code 0): its output."""
     result = subprocess.run(
         torchrun_command(out_dir, *argv, nproc=nproc),
         cwd=ROOT,

@@ -21,16 +21,16 @@ import torch
 import transformers.modeling_utils
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-import train
+import trainer
 from helpers import ROOT, read_metrics, tiny_argv, without_time
 from support import checkpoint, report
 
 
 def run_main(out_dir, *extra):
-    """train.main on tiny_argv's demo run, --save-every 1: the exit code (0 when it returned) and
+    """trainer.main on tiny_argv's demo run, --save-every 1: the exit code (0 when it returned) and
     the run's result."""
     try:
-        return 0, train.main(tiny_argv(out_dir, "--save-every", "1", *extra))
+        return 0, trainer.main(tiny_argv(out_dir, "--save-every", "1", *extra))
     except SystemExit as e:
         return e.code, None
 
@@ -44,8 +44,8 @@ def one_paragraph(capsys):
 
 
 def no_model_may_load(monkeypatch):
-    """train.setup (the data, the rewards, then the model) fails the test if called."""
-    monkeypatch.setattr(train, "setup", lambda *a: pytest.fail("the model was loaded"))
+    """trainer.setup (the data, the rewards, then the model) fails the test if called."""
+    monkeypatch.setattr(trainer, "setup", lambda *a: pytest.fail("the model was loaded"))
 
 
 def snapshot(directory):
@@ -107,7 +107,7 @@ def test_overwrite_removes_the_earlier_run_before_the_model_loads_so_a_ctrl_c_le
     def ctrl_c_while_the_model_loads(*a):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "setup", ctrl_c_while_the_model_loads)
+    monkeypatch.setattr(trainer, "setup", ctrl_c_while_the_model_loads)
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         run_main(run, "--overwrite")
@@ -130,7 +130,7 @@ def test_a_live_run_holds_its_directory_and_a_killed_one_blocks_nothing(tmp_path
     live = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(ROOT, "train.py"),
+            os.path.join(ROOT, "trainer.py"),
             *tiny_argv(run, "--steps", "100000", "--save-every", "1"),
         ],
         cwd=ROOT,
@@ -155,7 +155,7 @@ def test_a_live_run_holds_its_directory_and_a_killed_one_blocks_nothing(tmp_path
                 and "or pass another --output-dir" in err
             )
         assert run_main(run, "--eval-only", "--eval-limit", "2", "--eval-samples", "1")[0] == 0
-        assert train.main(["--device", "cpu", "--plot", str(run)]) in (
+        assert trainer.main(["--device", "cpu", "--plot", str(run)]) in (
             str(run / "curves.png"),
             None,
         )
@@ -336,7 +336,7 @@ def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight
     # training state
     room = weights // 2 if fails == "model.safetensors" else weights + small + state // 2
     train_py = " ".join(
-        [sys.executable, os.path.join(ROOT, "train.py"), *tiny_argv("$MNT/run", "--steps", "3")]
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *tiny_argv("$MNT/run", "--steps", "3")]
     )
     result = in_a_small_filesystem(
         tmp_path,
@@ -373,7 +373,7 @@ def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path, straight
 
 @pytest.mark.slow
 def test_a_read_only_filesystem_is_refused_before_the_model_loads(tmp_path):
-    train_py = " ".join([sys.executable, os.path.join(ROOT, "train.py"), *tiny_argv("$MNT/run")])
+    train_py = " ".join([sys.executable, os.path.join(ROOT, "trainer.py"), *tiny_argv("$MNT/run")])
     result = in_a_small_filesystem(tmp_path, 64, train_py, read_only=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.startswith(

@@ -49,9 +49,9 @@ def test_train_reads_as_algorithm_1_every_numbered_line_in_order():
     # DeepSeekMath's Algorithm 1, lines 1 and 3 to 11, each labelled in train() where it happens, in
     # the paper's order (line 2, the outer loop, and line 12, the reward model's update, have no
     # code: one outer iteration).
-    tree = ast.parse(source("train.py"))
+    tree = ast.parse(source("trainer.py"))
     (train,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
-    body = source("train.py").splitlines()[train.lineno - 1 : train.end_lineno]
+    body = source("trainer.py").splitlines()[train.lineno - 1 : train.end_lineno]
     labels = [
         int(m)
         for line in body
@@ -99,7 +99,7 @@ def test_grpo_py_and_test_grpo_py_copied_alone_into_an_empty_directory_pass(tmp_
 
 
 def test_readme_algorithm_1_map_names_code_that_exists():
-    # Each `name` in the map's second column: a loop header of train(), a function of train.py, or
+    # Each `name` in the map's second column: a loop header of train(), a function of trainer.py, or
     # module.function.
     table = source("README.md").split("## Algorithm 1 to code")[1].split("\n\n")[2]
     names = [
@@ -108,7 +108,7 @@ def test_readme_algorithm_1_map_names_code_that_exists():
     assert len(names) == 9
     for name in names:
         if name.startswith("for "):
-            assert name in source("train.py"), name
+            assert name in source("trainer.py"), name
         else:
             module, _, function = name.rpartition(".")
             assert f"\ndef {function}(" in source(f"{module or 'train'}.py"), name
@@ -116,9 +116,9 @@ def test_readme_algorithm_1_map_names_code_that_exists():
 
 def test_train_py_functions_are_short_and_train_reads_in_one_screen():
     # train() is Algorithm 1 plus one named call per piece of bookkeeping: about 70 lines. Every
-    # other function of train.py but main and build_run (the command line, the run's construction
+    # other function of trainer.py but main and build_run (the command line, the run's construction
     # in reading order) stays as short.
-    tree = ast.parse(source("train.py"))
+    tree = ast.parse(source("trainer.py"))
     lengths = {
         node.name: node.end_lineno - node.lineno + 1
         for node in tree.body

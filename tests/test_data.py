@@ -13,7 +13,7 @@ import pytest
 import config
 import data
 import sampling
-import train
+import trainer
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k
 from helpers import CPU, own_task_argv, read_metrics, tiny_argv, write_gsm8k, write_rows
 from rewards import format_reward
@@ -94,9 +94,9 @@ def test_load_gsm8k_without_network_says_what_it_tried(tmp_path, monkeypatch):
 
 
 def offline_error(capsys, *argv):
-    """What train.main says, offline, for these flags: its one paragraph, after "error: "."""
+    """What trainer.main says, offline, for these flags: its one paragraph, after "error: "."""
     with pytest.raises(SystemExit) as stop:
-        train.main([*CPU, *argv])
+        trainer.main([*CPU, *argv])
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
@@ -299,7 +299,7 @@ def test_a_bad_row_of_your_own_jsonl_names_its_file_and_line(tmp_path, capsys, l
     argv = own_task_argv(tmp_path)
     argv[argv.index("--data") + 1] = str(path)
     with pytest.raises(SystemExit):
-        train.main(argv)
+        trainer.main(argv)
     assert message.format(path=path) in capsys.readouterr().err
 
 
@@ -334,7 +334,7 @@ def test_the_demo_refuses_data_flags_but_takes_reward_flags(tmp_path):
     with pytest.raises(config.UserError, match="--demo brings its own task; drop --prompt-field"):
         config.parse_args([*CPU, "--demo", "--prompt-field", "q"])
     run_dir = tmp_path / "demo"
-    train.main(tiny_argv(run_dir, "--reward-fn", "format"))
+    trainer.main(tiny_argv(run_dir, "--reward-fn", "format"))
     (row,) = read_metrics(run_dir)
     assert "rewards/format" in row and "rewards/correctness" not in row
 
@@ -422,6 +422,6 @@ def test_a_task_says_where_its_rows_came_from_in_the_users_words(tmp_path, monke
         "the demo's 100 problems",
         "the demo's 100 problems (the ones it trains on)",
     )
-    # train.py's own additions to the task (its rewards, the response prefix) keep them
-    task = train.load_task(config.parse_args(gsm8k))
+    # trainer.py's own additions to the task (its rewards, the response prefix) keep them
+    task = trainer.load_task(config.parse_args(gsm8k))
     assert (task.train_from, task.eval_from) == ("gsm8k/train.jsonl", "gsm8k/test.jsonl")

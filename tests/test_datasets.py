@@ -15,7 +15,7 @@ import config
 import data
 import rewards
 import sampling
-import train
+import trainer
 from helpers import CPU, read_metrics, tiny_model_dir
 from support.errors import UserError
 
@@ -331,7 +331,7 @@ def test_a_split_saved_with_no_rows_is_one_paragraph(hf, tmp_path):
 def test_bad_input_through_train_main_is_one_paragraph_and_exit_code_2(hf, tmp_path, capsys):
     both = save_splits(hf, tmp_path / "both", train=OWN)
     with pytest.raises(SystemExit) as stop:
-        train.main([*CPU, "--data", both + "@dev", *MAPPING, "--output-dir", str(tmp_path / "r")])
+        trainer.main([*CPU, "--data", both + "@dev", *MAPPING, "--output-dir", str(tmp_path / "r")])
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert f"--data {both}: no split 'dev' (its splits: train)." in err
@@ -390,7 +390,7 @@ def test_a_run_trains_on_the_train_split_and_evaluates_on_the_test_split_of_a_sa
     argv += ["--num-generations", "2", "--max-new-tokens", "4", "--sample-every", "0"]
     argv += ["--eval-every", "0", "--eval-samples", "2", "--eval-batch-size", "2"]
     with mock.patch.object(sampling, "sample_rollouts", spy):
-        evals = train.main(argv)
+        evals = trainer.main(argv)
     # evaluated before and after on Ann's 2 test questions; the step sampled 2 of Tom's
     assert asked == [["Ann", "Ann"], ["Tom", "Tom"], ["Ann", "Ann"]]
     assert [step for step, _ in evals] == [0, 1]

@@ -1,6 +1,6 @@
 """Data parallel on the CPU: DDP and FSDP2 gradients over 2 gloo ranks equal the one-process
-gradient (fp32, summed in another order: ~1e-8, asked 1e-6), and train.py under torchrun (the demo,
-FSDP2, exact resume). No rank sees a GPU.
+gradient (fp32, summed in another order: ~1e-8, asked 1e-6), and trainer.py under torchrun (the
+demo, FSDP2, exact resume). No rank sees a GPU.
 """
 
 import os
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 import grpo
 import sampling
-import train
+import trainer
 from helpers import (
     NO_GPU,
     ROOT,
@@ -51,7 +51,7 @@ def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
         )
     )
     ref = torch.full(rollouts.completion_mask.shape, -2.0)
-    train.policy_update(
+    trainer.policy_update(
         model,
         optimizer,
         get_scheduler("constant", optimizer),
@@ -59,7 +59,7 @@ def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
         advantages,
         None,
         ref,
-        objective=train.LossSettings(0.2, None, 0.04, loss_type, "token", 6, None),
+        objective=trainer.LossSettings(0.2, None, 0.04, loss_type, "token", 6, None),
         micro_batch_size=4,
         max_grad_norm=float("inf"),
         ddp=ddp,
@@ -181,7 +181,7 @@ def test_distributed_resume_under_torchrun_is_exact(tmp_path):
 
 
 def torchrun_stopped(out_dir, argv, send):
-    """train.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged.
+    """trainer.py under torchrun (2 ranks), stopped by `send(process)` once 3 steps are logged.
     Returns its output."""
     proc = subprocess.Popen(
         torchrun_command(out_dir, *argv),

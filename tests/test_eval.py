@@ -14,7 +14,7 @@ import config
 import data
 import rewards
 import sampling
-import train
+import trainer
 from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
 from support import evaluation
 
@@ -131,7 +131,7 @@ def test_task_addition_trains_and_reports_mean_maj_and_pass_at_k(tmp_path):
         *"--eval-every 0 --eval-limit 4 --eval-samples 4 --eval-batch-size 4".split(),
     ]
     with mock.patch.object(sampling, "sample_rollouts", spy):
-        evals = train.main(argv)
+        evals = trainer.main(argv)
     assert [step for step, _ in evals] == [0, 2]
     for _, result in evals:
         assert set(result) == {
@@ -194,14 +194,14 @@ def test_loading_evaluation_and_saving_say_what_they_are_doing(tmp_path, monkeyp
     # save) used to print nothing until the first batch or the save was done. Here: 5 held-out
     # questions in batches of 2, and the announcing threshold lowered so the tiny model's save
     # counts as large.
-    monkeypatch.setattr(train.checkpoint, "LARGE_SAVE_BYTES", 0)
+    monkeypatch.setattr(trainer.checkpoint, "LARGE_SAVE_BYTES", 0)
     (tmp_path / "data").mkdir()
     train_file = write_gsm8k(tmp_path / "data" / "train.jsonl")
     write_gsm8k(tmp_path / "data" / "test.jsonl", n=5)
     argv = [*CPU, "--model", tiny_model_dir(tmp_path), "--data", train_file, "--steps", "1"]
     argv += ["--num-generations", "2", "--max-new-tokens", "4", "--eval-samples", "2"]
     argv += ["--eval-batch-size", "2", "--output-dir", str(tmp_path / "run")]
-    train.main(argv)
+    trainer.main(argv)
     out = capsys.readouterr().out
     model = tiny_model_dir(tmp_path)
     assert f"loading {model} ...\n" in out

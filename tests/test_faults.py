@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 import config
 import grpo
 import rewards
-import train
+import trainer
 from helpers import (
     CPU,
     ROOT,
@@ -64,7 +64,7 @@ def straight_run(tmp_path_factory):
 
 
 def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL):
-    """python train.py FAULT_ARGV in a fresh process (with --resume when out_dir has a
+    """python trainer.py FAULT_ARGV in a fresh process (with --resume when out_dir has a
     checkpoint, else --overwrite: a kill before the first save may leave metrics rows).
     kill_after: send it `signum` (SIGKILL unless told) that many seconds after its first line
     about training ("GRPO: ..."), unless it finished first."""
@@ -76,7 +76,7 @@ def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL
     )
     before = started()
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
         cwd=ROOT,
         env=env,
         stdout=open(log, "a"),
@@ -248,10 +248,10 @@ def test_resume_with_model_set_to_the_checkpoint_itself_keeps_policy_and_referen
         str(tmp_path / "run"),
         *"--beta 0.1".split(),
     ]
-    train.main(["--model", model_dir, "--steps", "1", *argv])
+    trainer.main(["--model", model_dir, "--steps", "1", *argv])
     resumed = str(tmp_path / "run" / "checkpoint")
     # the reference: the checkpoint's weights
-    train.main(["--model", resumed, "--steps", "2", "--resume", *argv])
+    trainer.main(["--model", resumed, "--steps", "2", "--resume", *argv])
     rows = read_metrics(tmp_path / "run")
     assert (
         [r["step"] for r in rows] == [1, 2]
@@ -336,7 +336,7 @@ def test_sigint_sigterm_sighup_at_random_moments_stop_at_a_step_end_and_resume_b
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [None, signal.SIGHUP], ids=["pipe closed", "terminal hung up"])
 def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
-    """`python train.py | head` closes the pipe after its lines: every later write fails (EPIPE).
+    """`python trainer.py | head` closes the pipe after its lines: every later write fails (EPIPE).
     An ssh session that drops hangs up the terminal: SIGHUP, then every write fails (EIO).
     Before, the first failing print ended the run with a traceback and no save. Now the output is
     dropped and training goes on: with the pipe closed the run ends as usual (exit 0, every step
@@ -346,7 +346,7 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
     argv = [*FAULT_ARGV, "--steps", "6", "--save-every", "0", "--output-dir", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -427,10 +427,10 @@ def test_resume_refuses_a_checkpoint_trained_from_another_model(tmp_path, capsys
         *"--steps 1 --num-generations 2 --max-new-tokens 4 --eval-every -1 --output-dir".split(),
         str(tmp_path / "run"),
     ]
-    train.main(["--model", tiny_model_dir(tmp_path), *argv])
+    trainer.main(["--model", tiny_model_dir(tmp_path), *argv])
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
-        train.main(["--model", str(other), *argv, "--resume"])
+        trainer.main(["--model", str(other), *argv, "--resume"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"holds a different model than --model {other}" in err
     assert "(hidden_size 64 vs 32, intermediate_size 128 vs 64)" in err
@@ -683,7 +683,7 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
     capsys.readouterr()  # building the cases (a saved model) may print: only main's output counts
     with pytest.raises(SystemExit) as exit_info:
         # a case's own --output-dir wins
-        train.main([*CPU, "--output-dir", str(tmp_path / "run")] + argv)
+        trainer.main([*CPU, "--output-dir", str(tmp_path / "run")] + argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.strip().count("\n") == 0
@@ -692,11 +692,11 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
 
 
 def test_plot_of_a_metrics_line_that_is_a_json_array_exits_2_with_one_paragraph(tmp_path):
-    # The old report.py command line printed this paragraph but exited 1; train.py --plot, the
+    # The old report.py command line printed this paragraph but exited 1; trainer.py --plot, the
     # only command line left, exits 2 as for any bad input.
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n[1, 2]\n')
     done = subprocess.run(
-        [sys.executable, "train.py", "--plot", str(tmp_path)],
+        [sys.executable, "trainer.py", "--plot", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -713,9 +713,9 @@ def test_cuda_out_of_memory_names_micro_batch_size_and_gradient_checkpointing(
     def oom(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(train, "setup", oom)
+    monkeypatch.setattr(trainer, "setup", oom)
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*CPU, "--demo", "--output-dir", str(tmp_path)])
+        trainer.main([*CPU, "--demo", "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert (
         exit_info.value.code == 2
@@ -772,7 +772,7 @@ def test_numeric_flags_refuse_nan_inf_and_out_of_range_before_any_model_loads(
     # after the model had loaded. Now: one paragraph, exit code 2, and no model is loaded.
     monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*CPU, "--model", "SmolLM2-135M", flag, value])
+        trainer.main([*CPU, "--model", "SmolLM2-135M", flag, value])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert expected in err

@@ -19,24 +19,24 @@ SHORT = ["--steps", "2", "--demo-warmup-steps", "10"]  # each command's run, kep
 
 
 def readme_demo_commands():
-    """Every command in the README's code blocks that runs `train.py --demo`, in order, as typed:
+    """Every command in the README's code blocks that runs `trainer.py --demo`, in order, as typed:
     the part after `pip install ... &&`, without the trailing comment."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
     commands = []
     for line in (line for block in blocks for line in block.splitlines()):
         command = line.split(" #")[0].split("&&")[-1].strip()
-        if "train.py --demo" in command:
+        if "trainer.py --demo" in command:
             commands.append(shlex.split(command))
     return commands
 
 
 def as_run_here(command):
-    """A README command run from another working directory: train.py by its path in the
+    """A README command run from another working directory: trainer.py by its path in the
     repository, python as this interpreter, torchrun as its module."""
     program, rest = (
         command[0],
-        [os.path.join(ROOT, a) if a == "train.py" else a for a in command[1:]],
+        [os.path.join(ROOT, a) if a == "trainer.py" else a for a in command[1:]],
     )
     if program == "python":
         return [sys.executable, *rest]
@@ -48,7 +48,7 @@ def as_run_here(command):
 def test_the_readme_has_its_demo_commands_where_the_walk_expects_them():
     commands = readme_demo_commands()
     assert [c[0] for c in commands] == ["python", "python", "python", "torchrun"]
-    assert commands[0] == ["python", "train.py", "--demo"]  # the quickstart's, first
+    assert commands[0] == ["python", "trainer.py", "--demo"]  # the quickstart's, first
 
 
 @pytest.mark.slow
@@ -89,16 +89,16 @@ def test_a_new_run_gets_a_new_directory_and_a_suffix_when_the_second_is_taken(
 def test_resume_without_output_dir_continues_the_last_run_like_this_one(
     tmp_path, monkeypatch, capsys
 ):
-    import train
+    import trainer
 
     monkeypatch.chdir(tmp_path)
     demo = ["--demo", "--device", "cpu", "--eval-every", "-1", *SHORT]
-    train.main(demo)
-    train.main([*demo, "--seed", "7"])  # another seed: not like the runs below
-    train.main(demo)
+    trainer.main(demo)
+    trainer.main([*demo, "--seed", "7"])  # another seed: not like the runs below
+    trainer.main(demo)
     first, other, last = sorted(os.listdir("runs"))  # names sort by time (one second apart or -2)
     capsys.readouterr()
-    train.main([*demo, "--resume", "--steps", "3"])
+    trainer.main([*demo, "--resume", "--steps", "3"])
     out = capsys.readouterr().out
     assert f"--resume: continuing runs/{last}, the last run of demo with these flags" in out
     assert "resumed from" in out and f"output runs/{last}" in out
@@ -108,7 +108,7 @@ def test_resume_without_output_dir_continues_the_last_run_like_this_one(
         "problems (the ones it trains on)\n"
     ) in out
     with pytest.raises(SystemExit) as info:
-        train.main([*demo, "--resume", "--seed", "8"])
+        trainer.main([*demo, "--resume", "--seed", "8"])
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "error: --resume: no run like this one (demo, seed 8) with a checkpoint in runs/. Pass the "
@@ -121,7 +121,7 @@ def test_under_torchrun_a_user_error_is_said_once_and_every_rank_exits_with_2(tm
     # Before: one paragraph per rank, and the rank torchrun stopped first exited with -15 (SIGTERM).
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [os.path.join(ROOT, "train.py"), "--demo", "--data", "rows.jsonl"],
+        + [os.path.join(ROOT, "trainer.py"), "--demo", "--data", "rows.jsonl"],
         cwd=tmp_path,
         env=torchrun_env(),
         capture_output=True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import train
+import trainer
 from helpers import CPU, read_metrics, run_tiny, tiny_argv, tiny_model_dir, varied_reward
 from support import checkpoint, evaluation, models, signals
 
@@ -49,7 +49,7 @@ def test_weights_made_non_finite_behind_a_finite_gradient_norm_stop_the_run_and_
     # paragraph and exit code 2, and the checkpoint on disk is step 2's, byte for byte.
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clipping_that_hides_nan(at_call=3))
     saved = {}
-    real_save = train.checkpoint.save
+    real_save = trainer.checkpoint.save
 
     def keep_a_copy(output_dir, *a, **kw):
         path = real_save(output_dir, *a, **kw)
@@ -57,9 +57,9 @@ def test_weights_made_non_finite_behind_a_finite_gradient_norm_stop_the_run_and_
             saved["weights"] = f.read()
         return path
 
-    monkeypatch.setattr(train.checkpoint, "save", keep_a_copy)
+    monkeypatch.setattr(trainer.checkpoint, "save", keep_a_copy)
     with pytest.raises(SystemExit) as exit_info:
-        train.main(tiny_argv(tmp_path, "--steps", "4", "--save-every", "1", "--dtype", dtype))
+        trainer.main(tiny_argv(tmp_path, "--steps", "4", "--save-every", "1", "--dtype", dtype))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "made the weights non-finite" in err and "--resume continues from it" in err
@@ -99,9 +99,9 @@ def test_cpu_out_of_memory_gets_the_paragraph_cuda_gets(tmp_path, monkeypatch, c
     def allocate_too_much(*a, **kw):
         torch.empty(2**50, dtype=torch.uint8)
 
-    monkeypatch.setattr(train.sampling, "sample_rollouts", allocate_too_much)
+    monkeypatch.setattr(trainer.sampling, "sample_rollouts", allocate_too_much)
     with pytest.raises(SystemExit) as exit_info:
-        train.main(tiny_argv(tmp_path))
+        trainer.main(tiny_argv(tmp_path))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert err.startswith("error: the CPU (RAM) ran out of memory.")
@@ -112,9 +112,9 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypa
     def broken(*a, **kw):
         raise RuntimeError("a bug, not memory")
 
-    monkeypatch.setattr(train.sampling, "sample_rollouts", broken)
+    monkeypatch.setattr(trainer.sampling, "sample_rollouts", broken)
     with pytest.raises(RuntimeError, match="a bug, not memory"):
-        train.main(tiny_argv(tmp_path))
+        trainer.main(tiny_argv(tmp_path))
 
 
 # --- the context
@@ -142,7 +142,7 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
         ),
     ]:
         with pytest.raises(SystemExit) as exit_info:
-            train.main(argv + extra)
+            trainer.main(argv + extra)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "512 tokens" in err and expected in err
 
@@ -150,7 +150,7 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
 def test_the_demo_checks_its_own_context(tmp_path, capsys):
     # the demo's model: 512 positions
     with pytest.raises(SystemExit) as exit_info:
-        train.main(tiny_argv(tmp_path, "--max-new-tokens", "600"))
+        trainer.main(tiny_argv(tmp_path, "--max-new-tokens", "600"))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert (
@@ -171,7 +171,7 @@ def test_check_context_accepts_the_largest_budget_that_fits():
 
 
 def evaluated_logits(monkeypatch, argv):
-    """The logits of the model train.main hands to the evaluation, on fixed tokens."""
+    """The logits of the model trainer.main hands to the evaluation, on fixed tokens."""
     seen = {}
 
     def spy(model, tokenizer, task, settings, amp=None):
@@ -180,7 +180,7 @@ def evaluated_logits(monkeypatch, argv):
         return {}
 
     monkeypatch.setattr(evaluation, "evaluate_with", spy)
-    train.main(argv)
+    trainer.main(argv)
     return seen["logits"]
 
 
@@ -258,7 +258,7 @@ def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_co
     monkeypatch.setattr(
         signals.StopRequests, "SAME_REQUEST_S", 0.0
     )  # a second signal, however soon
-    real_build, steps = train.build_optimizer, []
+    real_build, steps = trainer.build_optimizer, []
 
     def build(*a):
         optimizer = real_build(*a)
@@ -279,7 +279,7 @@ def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_co
             os.kill(os.getpid(), signal.SIGTERM)
         return varied_reward(completions, answers)
 
-    monkeypatch.setattr(train, "build_optimizer", build)
+    monkeypatch.setattr(trainer, "build_optimizer", build)
     with pytest.raises(signals.Stopped) as info:
         with signals.STOPS:
             run_tiny(tmp_path, "--steps", "4", "--save-every", "0", reward=reward)
@@ -339,7 +339,7 @@ def test_a_directory_without_a_checkpoint_is_not_offered_resume(tmp_path, capsys
     # --resume, which the refusal used to offer, would fail with "no checkpoint".
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/correctness": 0.1}\n')
     with pytest.raises(SystemExit):
-        train.main(tiny_argv(tmp_path))
+        trainer.main(tiny_argv(tmp_path))
     err = capsys.readouterr().err
     assert "already holds a run (metrics.jsonl with 1 row, the last at step 0)" in err
     assert "--resume to continue" not in err and "(it has no checkpoint to --resume from)" in err
@@ -355,7 +355,7 @@ def test_eval_only_resume_of_an_adapter_only_checkpoint_asks_for_the_lora_flags(
     ):  # as a periodic save leaves it: the adapter alone
         os.remove(tmp_path / "checkpoint" / name)
     with pytest.raises(SystemExit) as exit_info:
-        train.main(tiny_argv(tmp_path, "--eval-only", "--resume"))
+        trainer.main(tiny_argv(tmp_path, "--eval-only", "--resume"))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "holds a LoRA adapter, not a whole model" in err and "--lora-rank" in err

@@ -1,4 +1,4 @@
-"""train.py end to end on the demo's tiny model on the CPU: one step, μ = 2, β = 0, micro-batches,
+"""trainer.py end to end on the demo's tiny model on the CPU: one step, μ = 2, β = 0, micro-batches,
 gradient checkpointing, evaluation, the README's own-task example, the shortened demo and --compile
 (the options, each one flag: test_options.py). Runs are fp32: where two paths must agree, the test
 states its bound (1e-4 to 1e-7); TOL (1e-6) is test_grpo.py's, for the worked example of eval's
@@ -21,7 +21,7 @@ import config
 import data
 import rewards
 import sampling
-import train
+import trainer
 from data import build_prompt
 from grpo import completion_mask
 from helpers import (
@@ -76,7 +76,7 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
     tmp_path, monkeypatch
 ):
     calls, frozen = [], []
-    real_loss, real_logps = train.grpo.grpo_loss, train.frozen_logps
+    real_loss, real_logps = trainer.grpo.grpo_loss, trainer.frozen_logps
 
     def spy_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
         calls.append(
@@ -88,8 +88,8 @@ def test_mu_2_takes_old_logps_from_iteration_1_and_the_second_iteration_ratio_is
         frozen.append(model.training)
         return real_logps(model, *a, **kw)
 
-    monkeypatch.setattr(train.grpo, "grpo_loss", spy_loss)
-    monkeypatch.setattr(train, "frozen_logps", spy_logps)
+    monkeypatch.setattr(trainer.grpo, "grpo_loss", spy_loss)
+    monkeypatch.setattr(trainer, "frozen_logps", spy_logps)
     run_tiny(tmp_path / "run", "--num-iterations", "2")
     # one frozen forward per step: the reference; pi_old needs no pass of its own
     assert frozen == [False]
@@ -108,7 +108,7 @@ def second_update_ratios(tmp_path, monkeypatch, *flags):
     """The mean ratio π_θ/π_old of each step's second update (μ = 2, lr 0: the weights never
     move), for a tiny model whose attention has dropout 0.5 as a checkpoint's config.json can set
     it (a float attribute, not a module)."""
-    ratios, real_setup, real_update = [], train.setup, train.policy_update
+    ratios, real_setup, real_update = [], trainer.setup, trainer.policy_update
 
     def setup_with_dropout(args, resume_dir=None):
         task, model, tokenizer = real_setup(args, resume_dir)
@@ -122,8 +122,8 @@ def second_update_ratios(tmp_path, monkeypatch, *flags):
         ratios.append(stats["ratio"])
         return stats, logps
 
-    monkeypatch.setattr(train, "setup", setup_with_dropout)
-    monkeypatch.setattr(train, "policy_update", spy_update)
+    monkeypatch.setattr(trainer, "setup", setup_with_dropout)
+    monkeypatch.setattr(trainer, "policy_update", spy_update)
     run_tiny(tmp_path, "--num-iterations", "2", "--lr", "0", "--steps", "2", *flags)
     return ratios[1::2]
 
@@ -191,17 +191,17 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
         expected[4:], entropy[4:] = token_logprobs(
             model, ids[4:], torch.ones(4, 7), 4, 1.0, entropy=True
         )
-    optimizer = train.build_optimizer(model, lr=2e-3, weight_decay=0.0)
+    optimizer = trainer.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     scheduler = get_scheduler("constant", optimizer)
     update = functools.partial(
-        train.policy_update,
+        trainer.policy_update,
         model,
         optimizer,
         scheduler,
         rollouts,
         torch.tensor([1.0, -1.0] * 4),
         ref_logps=None,
-        objective=train.LossSettings(0.2, None, 0.0, "grpo", "token", 4, None),
+        objective=trainer.LossSettings(0.2, None, 0.0, "grpo", "token", 4, None),
         micro_batch_size=4,
     )
     stats, old = update(old_logps=None)
@@ -219,12 +219,12 @@ def test_policy_update_returns_the_logps_before_its_update_zero_past_each_micro_
 
 def test_beta_0_loads_no_reference_model_and_skips_reference_logps(tmp_path, monkeypatch):
     made, logps_calls = [], []
-    real_reference, real_logps = models.reference_model, train.frozen_logps
+    real_reference, real_logps = models.reference_model, trainer.frozen_logps
     monkeypatch.setattr(
         models, "reference_model", lambda *a, **k: made.append(real_reference(*a, **k)) or made[-1]
     )
     monkeypatch.setattr(
-        train, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k)
+        trainer, "frozen_logps", lambda *a, **k: logps_calls.append(1) or real_logps(*a, **k)
     )
     run_tiny(tmp_path / "run", "--beta", "0")
     assert made == [None]  # no reference model object at all
@@ -297,7 +297,7 @@ def test_reference_logps_take_the_policys_path_under_gradient_checkpointing(
 
 def test_adamw_is_fused_on_cpu():
     model, _ = demo.model_and_tokenizer(seed=0)
-    optimizer = train.build_optimizer(model, lr=2e-3, weight_decay=0.0)
+    optimizer = trainer.build_optimizer(model, lr=2e-3, weight_decay=0.0)
     assert optimizer.defaults["fused"] is True
 
 
@@ -327,7 +327,7 @@ def test_bf16_reference_is_cast_before_the_move_keeps_fp32_buffers_and_the_polic
 
 
 def test_eval_only_reports_mean_rewards(tmp_path):
-    result = train.main(
+    result = trainer.main(
         [
             *CPU,
             *"--demo --demo-warmup-steps 0 --eval-only --eval-limit 10 --eval-samples 2".split(),
@@ -472,14 +472,14 @@ def test_curves_png_is_written_at_the_end_of_a_run_and_by_plot_flag(tmp_path):
     png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     png.unlink()
-    assert train.main([*CPU, "--plot", str(tmp_path)]) == str(png) and png.stat().st_size > 10_000
+    assert trainer.main([*CPU, "--plot", str(tmp_path)]) == str(png) and png.stat().st_size > 10_000
 
 
 def test_curves_without_matplotlib_say_how_to_get_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     run_tiny(tmp_path)
     assert report.curves(str(tmp_path)) is None
-    hint = f"no plot: matplotlib is not installed (pip install matplotlib, then python train.py --plot {tmp_path})"
+    hint = f"no plot: matplotlib is not installed (pip install matplotlib, then python trainer.py --plot {tmp_path})"
     assert capsys.readouterr().out.count(hint) == 2 and not (tmp_path / "curves.png").exists()
 
 
@@ -489,7 +489,7 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     (tmp_path / "data").mkdir()
     train_file = write_gsm8k(tmp_path / "data" / "train.jsonl")
     write_gsm8k(tmp_path / "data" / "test.jsonl", n=3)  # found beside --data: the eval split
-    history = train.main(
+    history = trainer.main(
         [
             *CPU,
             "--model",
@@ -523,7 +523,7 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
 @pytest.mark.slow
 def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_path):
     """The README's my.jsonl, my_rewards.py and command, run as a new user would:
-    `python train.py` in the directory holding the two files, only the model swapped for the tiny
+    `python trainer.py` in the directory holding the two files, only the model swapped for the tiny
     one, the run shortened and pinned to the CPU."""
     (tmp_path / "my.jsonl").write_text(readme_block("`my.jsonl`", "json"))
     (tmp_path / "my_rewards.py").write_text(readme_block("`my_rewards.py`", "python"))
@@ -531,12 +531,12 @@ def test_the_readme_worked_example_trains_from_its_own_directory_as_typed(tmp_pa
     # "a 20-line reward file"
     assert len((tmp_path / "my_rewards.py").read_text().splitlines()) <= 21
     command = shlex.split(readme_block("Train on them", "bash").replace("\\\n", " "))
-    assert command[:2] == ["python", "train.py"]
+    assert command[:2] == ["python", "trainer.py"]
     argv = command[2:]
     argv[argv.index("--model") + 1] = tiny_model_dir(tmp_path)
     argv += [*"--steps 2 --num-generations 2 --max-new-tokens 6 --output-dir out".split(), *CPU]
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -569,7 +569,7 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
     # Gains after 80 steps over those 9 seeds: +0.11 (seed 6, the slowest) to +0.40 (seed 42, this
     # test), mean +0.30. A threshold of +0.10 is 5 noise standard deviations above zero and below
     # every measured gain.
-    history = train.main(
+    history = trainer.main(
         [
             *CPU,
             *"--demo --steps 80 --eval-every 0 --sample-every 0 --output-dir".split(),
@@ -583,12 +583,12 @@ def test_shortened_demo_raises_the_reward_far_beyond_seed_noise(tmp_path):
 
 @pytest.mark.slow
 def test_shortened_lora_demo_learns_and_its_final_save_loads_without_peft(tmp_path):
-    # python train.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~10 s). Measured on
+    # python trainer.py --demo --lora-rank 8 --lr 1e-2, shortened to 80 steps (~10 s). Measured on
     # this CPU with LoRA's dropout off (the default since 2026-11-23): +0.35 for seed 42 (this
     # test); the full 150 steps gave +0.415, +0.59, +0.52 for seeds 0, 1, 2 and +0.43 for 42. The
     # threshold +0.10 is 5 noise standard deviations (~0.02, as above) above zero.
     pytest.importorskip("peft")
-    history = train.main(
+    history = trainer.main(
         [
             *CPU,
             *"--demo --lora-rank 8 --lr 1e-2 --steps 80 --eval-every 0 --sample-every 0".split(),

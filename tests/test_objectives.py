@@ -13,7 +13,7 @@ import torch
 import config
 import grpo
 import sampling
-import train
+import trainer
 from helpers import CPU, decode_with_drawn_logprobs, read_metrics, run_tiny, tiny_argv
 from support import decode, demo, report
 
@@ -192,7 +192,7 @@ def test_the_demo_learns_with_each_objective(tmp_path, extra, steps, gain):
     # shortened demo): +0.10 is 5 of its standard deviations on a difference, +0.15 over 7. The
     # runs take other paths on another machine (fp32 sums differ), so the thresholds sit well below
     # the measured gains.
-    history = train.main(
+    history = trainer.main(
         [
             *CPU,
             *f"--demo --steps {steps} --eval-every 0 --sample-every 0 --output-dir".split(),

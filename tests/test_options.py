@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 import config
 import grpo
 import sampling
-import train
+import trainer
 from data import batch_at
 from helpers import (
     CPU,
@@ -89,7 +89,7 @@ def test_mask_truncated_with_every_completion_cut_off_changes_no_weight(tmp_path
 def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_counts(tmp_path):
     # With the buffer as long as the budget (6), the penalty is -length/6 for every completion, so
     # its mean is -(mean length)/6; float32 means: 1e-6.
-    train.main(
+    trainer.main(
         tiny_argv(
             tmp_path / "run",
             *"--reward-fn format --overlong-buffer 6 --reward-weights 1.0,0.5".split(),
@@ -101,7 +101,7 @@ def test_overlong_buffer_is_one_more_reward_weighted_last_and_fed_the_token_coun
         row["rewards/format"] + 0.5 * row["rewards/overlong"], abs=1e-6
     )
     with pytest.raises(config.UserError, match=re.escape("(format, overlong): 2 numbers, got 1")):
-        train.setup(
+        trainer.setup(
             config.parse_args(
                 tiny_argv(
                     tmp_path / "x",
@@ -206,10 +206,10 @@ def test_lora_trains_the_adapters_only_against_the_base_with_adapters_off_and_sa
     tmp_path, monkeypatch, targets
 ):
     pytest.importorskip("peft")
-    copies, refs, real_logps = [], [], train.frozen_logps
+    copies, refs, real_logps = [], [], trainer.frozen_logps
     monkeypatch.setattr(models, "reference_model", lambda *a, **k: copies.append(1))
     monkeypatch.setattr(
-        train,
+        trainer,
         "frozen_logps",
         lambda model, *a, **k: refs.append(model) or real_logps(model, *a, **k),
     )
@@ -288,7 +288,7 @@ def test_max_grad_norm_0_means_no_clipping():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = get_scheduler("constant", optimizer)
         before = model.weight.detach().clone()
-        norm, skipped = train.optimizer_step(model, optimizer, scheduler, None, max_grad_norm)
+        norm, skipped = trainer.optimizer_step(model, optimizer, scheduler, None, max_grad_norm)
         return (model.weight.detach() - before), norm, skipped
 
     unclipped, norm, skipped = step(0.0)

@@ -21,7 +21,7 @@ import config
 import grpo
 import rewards
 import sampling
-import train
+import trainer
 from helpers import (
     decode_with_drawn_logprobs,
     read_metrics,
@@ -225,11 +225,11 @@ def one_update(dtype, mu, beta, checkpointing=False):
     rollouts = tiny_rollouts(mask)
     advantages = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4)
     ref = models.reference_model(model, beta, amp, "cpu")
-    ref_logps = None if ref is None else train.frozen_logps(ref, rollouts, 4, amp)
+    ref_logps = None if ref is None else trainer.frozen_logps(ref, rollouts, 4, amp)
     updates, old = [], None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(mu):
-        stats, logps = train.policy_update(
+        stats, logps = trainer.policy_update(
             model,
             optimizer,
             torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
@@ -237,7 +237,7 @@ def one_update(dtype, mu, beta, checkpointing=False):
             advantages,
             old,
             ref_logps,
-            objective=train.LossSettings(0.2, None, beta, "grpo", "token", 6, None),
+            objective=trainer.LossSettings(0.2, None, beta, "grpo", "token", 6, None),
             micro_batch_size=4,
             max_grad_norm=float("inf"),
             autocast_dtype=amp,
@@ -364,7 +364,7 @@ def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
         reward_model(texts, ["15", "15"], prompts), exact(texts, ["15", "15"], prompts)
     ):
         assert got == pytest.approx(want, rel=5e-2, abs=5e-2)
-    train.main(tiny_argv(tmp_path / "run", "--dtype", "bf16", "--reward-model", path))
+    trainer.main(tiny_argv(tmp_path / "run", "--dtype", "bf16", "--reward-model", path))
     (row,) = read_metrics(tmp_path / "run")
     assert row["rewards/tiny-rm_std"] > 0 and torch.isfinite(torch.tensor(row["loss"]))
 
@@ -389,7 +389,7 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     model, _ = demo.model_and_tokenizer(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mask = torch.ones(8, 6, dtype=torch.long)
-    train.policy_update(
+    trainer.policy_update(
         model,
         optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
@@ -397,7 +397,7 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
         grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4),
         None,
         None,
-        objective=train.LossSettings(0.2, None, 0.0, "grpo", "token", 6, None),
+        objective=trainer.LossSettings(0.2, None, 0.0, "grpo", "token", 6, None),
         micro_batch_size=4,
     )
     assert all(p.grad is None for p in model.parameters())

@@ -4,7 +4,7 @@ KeyboardInterrupt) is a reward error; values beyond float32's range are refused 
 --reward-timeout stops one that hangs. A reward error saves a checkpoint and exits with code 2 and
 one paragraph on stderr.
 
-The runs here are real tiny runs through train.main on your own JSONL task (helpers.own_task_argv:
+The runs here are real tiny runs through trainer.main on your own JSONL task (helpers.own_task_argv:
 4 prompts x G=2 a step), with the reward function loaded by --reward-fn from a module written into
 the test's directory.
 """
@@ -21,7 +21,7 @@ import torch
 import config
 import data
 import rewards
-import train
+import trainer
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from support import checkpoint, reward_loading, signals
 
@@ -103,9 +103,9 @@ def safety_alarm():
 
 
 def stopped_run(argv, capsys):
-    """train.main(argv), which must exit with code 2 and one paragraph, no traceback: that one."""
+    """trainer.main(argv), which must exit with code 2 and one paragraph, no traceback: that one."""
     with pytest.raises(SystemExit) as exit_info:
-        train.main(argv)
+        trainer.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err, err[-2000:]
     return err
@@ -163,7 +163,7 @@ def test_each_reward_function_gets_its_own_copy_of_every_argument_and_later_step
         f"{MODULE}:looks",
         *"--steps 2".split(),
     )
-    train.main(argv)
+    trainer.main(argv)
     seen = json.loads((tmp_path / "seen.json").read_text())  # written in the worker process
     assert len(seen["mutates"]) == len(seen["looks"]) == 2  # one call each per step
     for step in range(2):

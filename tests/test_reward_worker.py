@@ -44,11 +44,11 @@ def greedy(completions, answers):
 
 
 def train_py(tmp_path, *argv, sigterm_after=None):
-    """python train.py ARGV in tmp_path (where my_rewards.py is); SIGTERM after `sigterm_after` s.
+    """python trainer.py ARGV in tmp_path (where my_rewards.py is); SIGTERM after `sigterm_after` s.
     Returns (exit code, stderr, seconds)."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -18,7 +18,7 @@ import torch
 import config
 import data
 import rewards
-import train
+import trainer
 from data import batch_at, load_gsm8k
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
@@ -301,7 +301,7 @@ def test_real_gsm8k_every_gold_answer_scores_1_and_gold_plus_1_scores_0():
 
 @pytest.mark.slow
 def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monkeypatch):
-    """python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
+    """python trainer.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer
     --reward-fn my_rewards:exact --reward-weights 1.0 (in process, in my_rewards.py's directory)."""
     monkeypatch.chdir(tmp_path)
     write_module(
@@ -312,7 +312,7 @@ def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monk
         "def lengthy(completions, answers):\n"
         "    return [float(len(c.split())) for c in completions]\n",
     )
-    train.main(
+    trainer.main(
         own_task_argv(
             tmp_path,
             *"--reward-fn my_rewards_exact:exact --reward-fn my_rewards_exact:lengthy".split(),
@@ -334,7 +334,7 @@ def test_acceptance_command_logs_rewards_under_the_functions_name(tmp_path, monk
 
 @pytest.mark.slow
 def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given(tmp_path):
-    train.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
+    trainer.main(own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "correctness"))
     (row,) = read_metrics(tmp_path / "run")
     assert {k for k in row if k.startswith("rewards/") and not k.endswith("_std")} == {
         "rewards/format",
@@ -342,11 +342,11 @@ def test_built_in_rewards_keep_their_short_names_and_replace_the_pair_when_given
     }
     assert row["accuracy"] == row["rewards/correctness"]
     args = config.parse_args(own_task_argv(tmp_path, "--reward-fn", "format"))
-    task, _, _ = train.setup(args)
+    task, _, _ = trainer.setup(args)
     assert [(r.name, r.fn, r.weight) for r in task.rewards] == [("format", format_reward, 1.0)]
     # no --reward-fn: the built-in pair, every weight 1.0
     args = config.parse_args(own_task_argv(tmp_path))
-    task, _, _ = train.setup(args)
+    task, _, _ = trainer.setup(args)
     assert [(r.name, r.weight) for r in task.rewards] == [("correctness", 1.0), ("format", 1.0)]
 
 
@@ -408,7 +408,7 @@ def test_a_reward_function_that_needs_an_argument_the_data_lacks_is_refused_befo
         ("one_arg", "must take two arguments, (completions, answers)"),
     ]:
         with pytest.raises(config.UserError, match=re.escape(message)):
-            train.setup(
+            trainer.setup(
                 config.parse_args(own_task_argv(tmp_path, "--reward-fn", f"needs_more:{fn}"))
             )
 
@@ -467,9 +467,9 @@ def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_pa
             "correctness): 2 numbers, got 3"
         ),
     ):
-        train.setup(config.parse_args(argv))
+        trainer.setup(config.parse_args(argv))
     with pytest.raises(config.UserError, match="logged under the same name \\(format\\)"):
-        train.setup(
+        trainer.setup(
             config.parse_args(
                 own_task_argv(tmp_path, "--reward-fn", "format", "--reward-fn", "format")
             )
@@ -545,7 +545,7 @@ def test_a_reward_function_that_fails_saves_and_exits_2_naming_it_and_the_comple
     # the id-3 row comes last
     argv = own_task_argv(tmp_path, "--reward-fn", f"user_rewards:{fn}", "--seed", "0")
     with pytest.raises(SystemExit) as exit_info:
-        train.main(argv)
+        trainer.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     if fn == "picky":
@@ -630,7 +630,7 @@ def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_th
     tmp_path,
 ):
     path = tiny_reward_model_dir(tmp_path)
-    train.main(
+    trainer.main(
         own_task_argv(
             tmp_path,
             *"--reward-fn correctness --reward-model".split(),
@@ -645,7 +645,7 @@ def test_reward_model_flag_adds_a_reward_logged_under_its_name_weighted_after_th
     assert row["rewards/tiny-rm_std"] > 0  # the classifier tells the completions apart
     second = tiny_reward_model_dir(tmp_path, 1, "rm2")
     args = config.parse_args(own_task_argv(tmp_path, "--reward-model", f"{path},{second}"))
-    assert [r.name for r in train.setup(args)[0].rewards] == [
+    assert [r.name for r in trainer.setup(args)[0].rewards] == [
         "correctness",
         "format",
         "tiny-rm",

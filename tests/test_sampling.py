@@ -359,13 +359,13 @@ def test_bench_forced_lengths_end_where_they_say_in_the_compiled_decode_too():
 
 
 def test_bench_times_the_loop_itself(tmp_path):
-    # bench.py --step (and --vs-trl's side A) runs train.train, not a copy of its step: 2 steps of
+    # bench.py --step (and --vs-trl's side A) runs trainer.train, not a copy of its step: 2 steps of
     # the tiny config with forced real lengths call train's own policy_update twice and frozen_logps
     # twice (beta > 0), and the phases and completion tokens it reports are those calls'.
     import argparse
     from unittest import mock
 
-    import train
+    import trainer
     from scripts import bench
 
     a = argparse.Namespace(
@@ -396,8 +396,8 @@ def test_bench_times_the_loop_itself(tmp_path):
         return wrapper
 
     with (
-        mock.patch.object(train, "policy_update", spy("update", train.policy_update)),
-        mock.patch.object(train, "frozen_logps", spy("ref", train.frozen_logps)),
+        mock.patch.object(trainer, "policy_update", spy("update", trainer.policy_update)),
+        mock.patch.object(trainer, "frozen_logps", spy("ref", trainer.frozen_logps)),
         mock.patch.object(bench, "DEVICE", "cpu"),
     ):
         result = bench.worker_ours(a)

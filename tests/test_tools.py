@@ -18,7 +18,7 @@ import data
 import grpo
 import sampling
 import tools
-import train
+import trainer
 from helpers import ROOT, assert_same_run, read_metrics
 from support import checkpoint, demo
 from support.errors import UserError
@@ -77,7 +77,7 @@ def test_the_worked_exchange_masks_forced_tokens_out_of_the_loss_and_every_lengt
     assert grpo.loss_denominator(r.completion_mask, "dr_grpo", 12) == 24
     # the micro-batch keeps every column up to the last token in the loss (9), not the count of
     # tokens in the loss (5): TRL #5144's mask longer or shorter than the completion cannot happen
-    ids, attn, keep = train.micro_batch_inputs(r, slice(0, 2))
+    ids, attn, keep = trainer.micro_batch_inputs(r, slice(0, 2))
     assert keep == 9 and ids.shape[1] == r.prompt_length + 9
 
 
@@ -105,7 +105,7 @@ def test_loss_and_gradient_equal_the_hand_masked_ones_and_forced_logprobs_never_
     def update(old_logps):
         policy = copy.deepcopy(model)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-        stats, _ = train.policy_update(
+        stats, _ = trainer.policy_update(
             policy,
             optimizer,
             get_scheduler("constant", optimizer),
@@ -113,7 +113,7 @@ def test_loss_and_gradient_equal_the_hand_masked_ones_and_forced_logprobs_never_
             advantages,
             old_logps,
             None,
-            objective=train.LossSettings(0.2, None, 0.0, "grpo", "token", 12, None),
+            objective=trainer.LossSettings(0.2, None, 0.0, "grpo", "token", 12, None),
             micro_batch_size=2,
             max_grad_norm=0,
         )
@@ -149,7 +149,7 @@ def test_forced_tokens_stay_out_of_the_entropy_mask_the_sampler_weights_and_the_
     r = sampling.sample_rollouts(model, tok, ["q"], settings, 2, tools=toolbox)
     handle.remove()
     assert (r.sampler_logps[r.forced] == 0).all() and (r.log_kept == 0).all()
-    objective = train.LossSettings(
+    objective = trainer.LossSettings(
         0.2, 3.0, 0.0, "dapo", "token", 12, None, "cispo", top_entropy=0.5, off_policy_threshold=0.0
     )
 
@@ -157,7 +157,7 @@ def test_forced_tokens_stay_out_of_the_entropy_mask_the_sampler_weights_and_the_
         policy = copy.deepcopy(model)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         rollouts = dataclasses.replace(r, sampler_logps=sampler_logps)
-        stats, _ = train.policy_update(
+        stats, _ = trainer.policy_update(
             policy, optimizer, get_scheduler("constant", optimizer), rollouts,
             torch.tensor([1.0, -0.5]), None, None, objective=objective, micro_batch_size=2,
             correction=("token_truncate", 0.0, 3.0), max_grad_norm=0,
@@ -340,7 +340,7 @@ def calculator(arguments):
 
 def train_py(cwd, *argv):
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""--report-to: tiny demo runs (train.main, or helpers.run_tiny where a crash is needed) read back
+"""--report-to: tiny demo runs (trainer.main, or helpers.run_tiny where a crash is needed) read back
 from what each tracker wrote, with no network. TensorBoard: its event files through both of
 TensorBoard's loaders, the classic EventAccumulator and the default fast one (the Rust data server
 `tensorboard --logdir` starts), each listing every metrics.jsonl field as a scalar at its step with
@@ -23,7 +23,7 @@ import pytest
 
 import config
 import rewards
-import train
+import trainer
 from helpers import read_metrics, run_tiny, tiny_argv
 from support import checkpoint, distributed, report, trackers
 
@@ -32,10 +32,10 @@ pytest.importorskip("wandb")
 
 
 def main(out_dir, *extra):
-    """train.main on tiny_argv's demo run (4 prompts x G = 4 per step) with `extra`; SystemExit's
+    """trainer.main on tiny_argv's demo run (4 prompts x G = 4 per step) with `extra`; SystemExit's
     code, else 0."""
     try:
-        train.main(tiny_argv(out_dir, *extra))
+        trainer.main(tiny_argv(out_dir, *extra))
     except SystemExit as e:
         return e.code
     return 0
@@ -442,7 +442,7 @@ def test_a_run_that_crashes_is_a_failed_wandb_run_and_a_finished_one_is_not(
 ):
     assert main(tmp_path / "done", "--steps", "1", "--report-to", "wandb") == 0
     assert exit_code(tmp_path / "done") == 0
-    real, calls = train.grpo.group_advantages, []
+    real, calls = trainer.grpo.group_advantages, []
 
     def crash_in_step_2(*a, **kw):
         calls.append(1)
@@ -450,7 +450,7 @@ def test_a_run_that_crashes_is_a_failed_wandb_run_and_a_finished_one_is_not(
             raise RuntimeError("an unexpected crash in step 2")
         return real(*a, **kw)
 
-    monkeypatch.setattr(train.grpo, "group_advantages", crash_in_step_2)
+    monkeypatch.setattr(trainer.grpo, "group_advantages", crash_in_step_2)
     with pytest.raises(RuntimeError, match="crash in step 2"):
         main(tmp_path / "crashed", "--steps", "3", "--report-to", "wandb")
     # the trackers are closed on the way out (Run.__exit__), W&B's run marked failed
@@ -489,7 +489,7 @@ def test_a_missing_package_or_unknown_tracker_is_one_paragraph_before_any_model_
     def no_model(*a, **kw):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(train, "setup", no_model)
+    monkeypatch.setattr(trainer, "setup", no_model)
     assert main(tmp_path / "run", "--report-to", f"{tracker},none") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --report-to") and advice in err and "Traceback" not in err

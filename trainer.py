@@ -1,10 +1,10 @@
 """GRPO, the training loop: Algorithm 1 of DeepSeekMath (arXiv 2402.03300), in train() below.
 
-    python train.py --demo                         # tiny model, synthetic task: CPU, offline, ~30 s
-    python train.py --model SmolLM2-1.7B-Instruct  # the real run: GSM8K, 200 steps, one GPU
-    python train.py --model DIR --eval-only --eval-limit 100  # held-out accuracy and format
-    python train.py <same flags> --resume          # continue from OUTPUT_DIR/checkpoint
-    python train.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer \\
+    python trainer.py --demo                       # tiny model, synthetic task: CPU, offline, ~30 s
+    python trainer.py --model SmolLM2-1.7B-Instruct  # the real run: GSM8K, 200 steps, one GPU
+    python trainer.py --model DIR --eval-only --eval-limit 100  # held-out accuracy and format
+    python trainer.py <same flags> --resume          # continue from OUTPUT_DIR/checkpoint
+    python trainer.py --model DIR --data my.jsonl --prompt-field prompt --answer-field answer \\
         --reward-fn my_rewards:exact               # your own task (README: Your own task)
 
 The flags are in config.py, the math in grpo.py, generation and log-probs in sampling.py; the
