@@ -30,6 +30,7 @@ import grpo
 import rewards
 import sampling
 import tools
+from sampling import frozen_logps, micro_batch_inputs, micro_batches
 from support import checkpoint, decode, demo, distributed, evaluation, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
@@ -782,58 +783,6 @@ def optimizer_step(model, optimizer, scheduler, scaler, max_grad_norm, loss=0.0)
             "--weight-decay and --max-grad-norm."
         )
     return grad_norm, None
-
-
-@torch.no_grad()
-def frozen_logps(model, rollouts, micro_batch_size, autocast_dtype=None, shared_prompt=True):
-    """log π(o_t | q, o_<t) [N, C] of the rollouts under a frozen model, in micro-batches of
-    whole groups; 0 after each micro-batch's longest completion. shared_prompt=False takes
-    token_logprobs' plain path, as the policy's forward does under gradient checkpointing: π_ref
-    and π_θ then come from the same computation. A PeftModel (LoRA) is π_ref with its adapters
-    off: the base model, no second copy."""
-    adapters_off = getattr(model, "disable_adapter", contextlib.nullcontext)
-    net = model.get_base_model() if hasattr(model, "get_base_model") else model
-    was_training = net.training
-    net.eval()
-    N, C = rollouts.completion_mask.shape
-    out = torch.zeros(N, C, device=rollouts.completion_mask.device)
-    for rows in micro_batches(N, micro_batch_size):
-        ids, attn, keep = micro_batch_inputs(rollouts, rows)
-        with sampling.autocast(ids.device, autocast_dtype), adapters_off():
-            out[rows, :keep] = sampling.token_logprobs(
-                net,
-                ids,
-                attn,
-                keep,
-                rollouts.temperature,
-                group_size=rollouts.group_size if shared_prompt else 1,
-            )
-    net.train(was_training)
-    return out
-
-
-def micro_batches(n, size):
-    """Row slices of `size` rows (whole groups: size is a multiple of G)."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def micro_batch_inputs(rollouts, rows):
-    """One micro-batch's ids and attention mask without the columns none of its rows needs:
-    leading prompt padding (position ids come from the mask, so dropping all-pad columns changes
-    nothing) and the completion columns after its longest completion. Returns (ids, mask,
-    completion columns kept)."""
-    ids, attn, mask = (
-        rollouts.input_ids[rows],
-        rollouts.attention_mask[rows],
-        rollouts.completion_mask[rows],
-    )
-    P = rollouts.prompt_length
-    first = int(attn[:, :P].any(0).nonzero()[0]) if attn[:, :P].any() else P - 1
-    # up to the last column in the loss: with tools a completion's loss mask has holes (forced
-    # tokens), so its last token in the loss is not at its count of tokens in the loss
-    used = mask.any(0).nonzero()
-    keep = int(used[-1]) + 1 if len(used) else 1
-    return ids[:, first : P + keep], attn[:, first : P + keep], keep
 
 
 # --------------------------------------------------------------------------------------------------
