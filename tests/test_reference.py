@@ -1,0 +1,168 @@
+"""train.py, the paper's GRPO, against trainer.py: the same flags give the same numbers, so the
+reference is checked by every test of the trainer, and the trainer cannot drift from the paper
+unnoticed. Also the reference's own promises: its size, its flags, exact resume, a signal saved.
+"""
+
+import ast
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import config
+import train
+import trainer
+from helpers import CPU, ROOT, read_metrics, tiny_model_dir, without_time, write_rows
+
+# The demo, short: 3 steps of 16 prompts x G = 8 with μ = 4 and β = 0.04 (the demo's defaults), an
+# evaluation of 20 questions before and after.
+DEMO = [*CPU, "--demo", "--steps", "3", "--eval-limit", "20"]
+
+
+def run_both(tmp_path, argv):
+    """train.main and trainer.main on the same flags, each into its own directory."""
+    for name, module in (("reference", train), ("trainer", trainer)):
+        module.main([*argv, "--output-dir", str(tmp_path / name)])
+    return tmp_path / "reference", tmp_path / "trainer"
+
+
+def assert_same_numbers(reference, full):
+    """Every metrics.jsonl line equal, timing aside, and the saved weights equal bit for bit."""
+    assert without_time(read_metrics(reference)) == without_time(read_metrics(full))
+    ours, theirs = (load_file(d / "checkpoint" / "model.safetensors") for d in (reference, full))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # the demo's defaults: μ = 4, β = 0.04, one micro-batch of 16 x 8
+        ["--num-iterations", "2", "--beta", "0.1", "--micro-batch-size", "32"],
+        ["--lora-rank", "8"],
+    ],
+    ids=["demo", "mu2-beta-micro-batches", "lora"],
+)
+def test_the_reference_and_the_trainer_agree_on_the_demo(tmp_path, extra):
+    if "--lora-rank" in extra:
+        pytest.importorskip("peft")
+    reference, full = run_both(tmp_path, DEMO + extra)
+    rows = read_metrics(reference)
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/correctness" in r] == [0, 3]
+    assert_same_numbers(reference, full)
+
+
+@pytest.mark.slow
+def test_the_reference_and_the_trainer_agree_on_your_own_task(tmp_path, monkeypatch):
+    # your rows and a reward function by import path: in-process in the reference, in a worker
+    # process in the trainer; the same rewards either way
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(completions, answers):\n"
+        "    return [float(c.strip().startswith(a)) + len(c) % 3 / 10\n"
+        "            for c, a in zip(completions, answers)]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    rows = [{"question": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    argv = [
+        *CPU, "--model", tiny_model_dir(tmp_path), "--data", write_rows(tmp_path / "my.jsonl", rows),
+        "--prompt-field", "question", "--reward-fn", "my_rewards:exact", "--steps", "2",
+        "--batch-size", "2", "--num-generations", "4", "--max-new-tokens", "6",
+        "--eval-every", "-1", "--lr", "1e-3",
+    ]  # fmt: skip
+    reference, full = run_both(tmp_path, argv)
+    assert {r["rewards/exact"] for r in read_metrics(reference)} != {0.0}
+    assert_same_numbers(reference, full)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_it_and_resume_is_exact(tmp_path):
+    argv = [*DEMO, "--steps", "4", "--eval-every", "-1", "--save-every", "0"]
+    train.main([*argv, "--output-dir", str(tmp_path / "straight")])
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "train.py", *argv, "--output-dir", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:  # the marker: step 1's progress line, printed after its update
+        if line.startswith("step 1/4"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "is saved; exiting" in stderr
+    steps = [r["step"] for r in read_metrics(out) if "reward" in r]
+    assert steps in ([1], [1, 2])  # the signal may land during step 2: it finishes, saved
+    train.main([*argv, "--output-dir", str(out), "--resume"])
+    assert without_time(read_metrics(out)) == without_time(read_metrics(tmp_path / "straight"))
+    first, second = (
+        load_file(d / "checkpoint" / "model.safetensors") for d in (tmp_path / "straight", out)
+    )
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_the_reference_takes_about_30_flags_each_with_one_line_of_help():
+    fields = dataclasses.fields(train.Args)
+    assert len(fields) <= 31
+    assert all(f.metadata["help"] and "\n" not in f.metadata["help"] for f in fields)
+
+
+def test_the_reference_defaults_are_the_trainers():
+    # the reference reads its values through config.parse_args: its Args defaults, which --help
+    # prints, must be config's, or --help would lie
+    parser = config.build_parser()
+    for f in dataclasses.fields(train.Args):
+        expected = parser.get_default(f.name)
+        assert (list(f.default) if f.name == "reward_fn" else f.default) == expected, f.name
+    args, flags = train.parse_args([*CPU, "--output-dir", "x"])
+    assert dataclasses.asdict(args) == {
+        f.name: getattr(flags, f.name) for f in dataclasses.fields(args)
+    }
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--tool", "calculator"], "unrecognized arguments: --tool calculator"),
+        (["--lr", "-1"], "--lr"),
+        (["--dtype", "fp16"], "--dtype fp16 needs a loss scaler"),
+    ],
+)
+def test_a_flag_the_reference_does_not_take_or_a_bad_value_is_one_line_and_exit_2(
+    argv, said, capsys, monkeypatch
+):
+    monkeypatch.setattr(train, "setup", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as stop:
+        train.main([*CPU, "--output-dir", "unused", *argv])
+    assert stop.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_train_py_is_at_most_450_lines_and_reads_as_algorithm_1():
+    with open(os.path.join(ROOT, "train.py"), encoding="utf-8") as f:
+        source = f.read()
+    assert len(source.splitlines()) <= 450
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    lines = source.splitlines()
+    labels = [
+        int(line.split("# ")[1].split(":")[0])
+        for name in ("setup", "train")
+        for line in lines[functions[name].lineno - 1 : functions[name].end_lineno]
+        if "# " in line and line.split("# ")[1].split(":")[0].isdigit()
+    ]
+    assert labels == [1, 4, 5, 6, 7, 8, 9, 10, 11]  # line 3 (π_ref) shares line 1's comment
+    assert "3: π_ref" in source
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert "trainer" not in imported  # the reference stands on the shared modules alone

@@ -1,0 +1,439 @@
+"""GRPO as DeepSeekMath defines it (arXiv 2402.03300): Algorithm 1 with eq. 3, in one file.
+
+    python train.py --demo                         # a tiny model learns addition: CPU, offline
+    python train.py --model SmolLM2-1.7B-Instruct  # GSM8K, 200 steps, one GPU, bf16
+    python train.py --model DIR --data my.jsonl --prompt-field question --answer-field answer \\
+        --reward-fn my_rewards:exact               # your own task
+    python train.py <the same flags> --resume      # continue from OUTPUT_DIR/checkpoint
+
+Read it top to bottom beside the paper: the flags (Args), setup (π_θ, π_ref, AdamW, the schedule),
+train() with Algorithm 1's line numbers, one GRPO update, then the log, evaluation, saving and main.
+The math is grpo.py, generation and log-probs sampling.py, the rest (checkpoints, the output
+directory, signals, the evaluation) support/. Everything beyond the paper (tools, DAPO, GSPO, CISPO,
+SAPO, torchrun, trackers, reward models) is trainer.py, over the same modules;
+tests/test_reference.py holds the two to the same numbers.
+"""
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import get_scheduler, set_seed
+
+import config
+import data
+import grpo
+import rewards
+import sampling
+from support import checkpoint, demo, evaluation, models, report, rundir
+from support.errors import UserError
+from support.signals import STOPS, DevNullWhenReaderGone, Stopped
+
+
+def arg(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Args:
+    """The flags. Defaults: Pramodith's GRPO trainer blog (SmolLM2-1.7B-Instruct on GSM8K); --demo
+    swaps in config.DEMO_DEFAULTS. Any trainer.py flag not here keeps its default."""
+
+    model: str = arg("SmolLM2-1.7B-Instruct", "a local directory, a hub id or a SmolLM2 name")
+    demo: bool = arg(False, "offline demo: a tiny Llama built in code learns 1-digit addition")
+    data: str = arg(None, "train rows (JSONL); if not given, GSM8K's train split, downloaded")
+    prompt_field: str = arg(None, "your own rows: the field holding the prompt")
+    answer_field: str = arg(None, "your own rows: the field holding the reference answer")
+    reward_fn: tuple = arg((), "MODULE:FUNCTION(completions, answers) -> [float]; repeatable")
+    steps: int = arg(200, "M, training steps")
+    batch_size: int = arg(1, "prompts per micro-batch")
+    gradient_accumulation_steps: int = arg(4, "micro-batches of prompts per step")
+    micro_batch_size: int = arg(None, "completions per forward/backward; if not given, batch x G")
+    num_generations: int = arg(8, "G, completions per prompt (the group)")
+    num_iterations: int = arg(1, "μ, GRPO iterations (AdamW steps) per batch")
+    beta: float = arg(0.04, "β, the KL coefficient; 0: no π_ref at all")
+    epsilon: float = arg(0.2, "ε, the clip range of the ratio")
+    lr: float = arg(5e-5, "AdamW learning rate (linear decay to 0)")
+    max_grad_norm: float = arg(1.0, "gradient clipping (global L2 norm); 0: none")
+    temperature: float = arg(0.9, "sampling temperature")
+    max_new_tokens: int = arg(300, "tokens per completion at most")
+    lora_rank: int = arg(0, "train LoRA adapters of this rank (π_ref: adapters off); 0: all")
+    device: str = arg("auto", "auto | cpu | cuda")
+    dtype: str = arg("auto", "autocast dtype, weights stay fp32: auto (bf16 on CUDA) | bf16 | fp32")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory")
+    eval_every: int = arg(0, "evaluate every N steps; 0: before and after training; -1: never")
+    eval_limit: int = arg(None, "evaluate on the first N held-out questions only")
+    eval_samples: int = arg(8, "completions per held-out question (pass@k, maj@k)")
+    save_every: int = arg(50, "checkpoint every N steps (and after the last, before evaluations)")
+    output_dir: str = arg(None, "metrics.jsonl, curves.png, checkpoint/; if not given, runs/<name>")
+    resume: bool = arg(False, "continue from OUTPUT_DIR/checkpoint, exactly")
+    overwrite: bool = arg(False, "start over in an --output-dir that holds an earlier run")
+    seed: int = arg(42, "seeds torch, numpy, random and the data order")
+
+
+def parse_args(argv=None):
+    """(Args, the same flags as trainer.py reads them). config.parse_args checks every value (one
+    clear line for a bad one), applies --demo's defaults and fills in the device, the dtype and the
+    output directory; the support functions take its namespace."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Beyond the paper (tools, DAPO, GSPO, torchrun, ...): python trainer.py --help.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(Args):
+        flag, kind = "--" + f.name.replace("_", "-"), (typing.get_args(f.type) or (f.type,))[0]
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            action = "append" if kind is tuple else "store"
+            kind = str if kind is tuple else kind
+            parser.add_argument(flag, type=kind, action=action, help=f.metadata["help"])
+    parser.parse_args(argv)  # --help; a flag this file does not take: one line, exit 2
+    flags = config.parse_args(argv)
+    if flags.dtype == "fp16":
+        raise UserError("--dtype fp16 needs a loss scaler: use trainer.py, or bf16 / fp32 here.")
+    flags.world_size = 1  # one process; saved with each checkpoint, as trainer.py saves it
+    return Args(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(Args)}), flags
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup, in reading order: the task, π_θ, π_ref, AdamW and its schedule, a resumed run's state.
+
+
+def setup(args, flags):
+    """The run: the task and its rewards, the models, the optimizer, the log. The data and the
+    rewards load first, so that a bad file fails in a second, not after loading a 1.7B model."""
+    resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
+    if args.resume and resume_dir is None:
+        raise UserError(
+            f"--resume: no checkpoint in {args.output_dir}; pass the run's --output-dir."
+        )
+    start = checkpoint.starting_weights(flags, resume_dir)  # π_θinit, or a checkpoint's weights
+    set_seed(args.seed)
+    fits = functools.partial(models.check_context, args.max_new_tokens, flags.max_prompt_length)
+    if args.demo:  # a 2-layer Llama, warmed up on the task to answer right now and then
+        model, tokenizer, task = demo.setup(
+            args.seed, flags.demo_warmup_steps, flags.demo_target_accuracy
+        )
+        fits(model.config, "the demo's model")
+    else:
+        task = data.task_from_flags(flags)
+        name = resume_dir if start == checkpoint.FROM_CHECKPOINT else args.model
+        model, tokenizer = models.load_model(name, check_config=fits)
+    task = with_reward_fns(task, args.reward_fn)
+    dtype = sampling.AUTOCAST_DTYPE[args.dtype]
+    # 1: π_θ ← π_θinit; 3: π_ref ← π_θ (a frozen copy; LoRA: the same model, adapters off)
+    peft = None
+    if args.lora_rank:
+        adapter = resume_dir if start == checkpoint.MODEL_AND_ADAPTER else None
+        peft = models.add_lora(model.to(args.device), flags, adapter)
+        model, ref_model = peft.get_base_model(), peft if args.beta > 0 else None
+    else:
+        fresh = start == checkpoint.FROM_MODEL
+        ref_model = models.reference_model(model, args.beta, dtype, args.device, fresh)
+    if start == checkpoint.MODEL_THEN_CHECKPOINT:  # π_ref came from --model; π_θ from here
+        model = checkpoint.load_policy(resume_dir, model, flags)
+    models.disable_dropout(model)  # μ > 1: π_old and π_θ must be the same function
+    model.to(args.device)
+    if args.gradient_checkpointing:
+        sampling.enable_gradient_checkpointing(model)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    try:  # AdamW on the fp32 weights, one fused kernel where torch has it
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    updates = args.steps * args.num_iterations
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None) if resume_dir else 0
+    log, evals = report.open_log(args.output_dir, step if resume_dir else None, flags)
+    report.print_header(flags, model)
+    report.print_data(task, args.eval_limit)
+    return SimpleNamespace(
+        flags=flags, task=task, model=model, ref_model=ref_model, peft=peft, tokenizer=tokenizer,
+        optimizer=optimizer, scheduler=scheduler, scaler=None, dtype=dtype, start=step, log=log,
+        evals=evals, times=[], skipped_in_a_row=0,
+    )  # fmt: skip
+
+
+def with_reward_fns(task, specs):
+    """--reward-fn: the task's rewards replaced by these functions (a built-in name, or
+    MODULE:FUNCTION imported from the working directory, called in this process; trainer.py runs
+    them in a worker process with a time limit), each of weight 1."""
+    if not specs:
+        return task
+    named = []
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        if spec in rewards.REWARD_FUNCS:
+            named.append((spec, rewards.REWARD_FUNCS[spec]))
+            continue
+        try:
+            sys.path.insert(0, os.getcwd())
+            named.append((name, getattr(importlib.import_module(module), name)))
+        except (ImportError, AttributeError, ValueError) as e:
+            raise UserError(f"--reward-fn {spec}: expected MODULE:FUNCTION importable here: {e}")
+    return dataclasses.replace(task, rewards=rewards.weighted(named, [1.0] * len(named)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Algorithm 1, iterative GRPO, with one outer iteration: the rewards are fixed functions (line 12,
+# training the reward model, has nothing to do) and π_ref stays π_θinit (line 2's loop runs once).
+
+
+def train(run, args):
+    """Lines 4-11 for steps start..M, then the closing evaluation. Returns the evaluations."""
+    task, model, G = run.task, run.model, args.num_generations
+    prompts_per_step = args.batch_size * args.gradient_accumulation_steps
+    micro = args.micro_batch_size or args.batch_size * G  # completions per forward: whole groups
+    decoding = sampling.Sampling.of(run.flags)
+    evaluate_if_due(run, args, run.start)
+    # 4: for step = 1, ..., M
+    for step in range(run.start, args.steps):
+        started, rng, updates_before = time.time(), rng_now(), run.scheduler.last_epoch
+        try:
+            # 5: sample a batch D_b from D (a pure function of the seed and the step: resumable)
+            rows = data.batch_at(task.train, prompts_per_step, args.seed, step)
+            # 6: π_old ← π_θ: π_old is only used through its log-probs of 7's completions
+            prompts = [task.prompt(run.tokenizer, row["prompt"]) for row in rows]
+            # 7: sample G outputs o_i ~ π_old(· | q) for each question q
+            rollouts = sampling.sample_rollouts(
+                model, run.tokenizer, prompts, decoding, G, run.dtype
+            )
+            # 8: compute the rewards r_i of each o_i: [B*G], and each function's {name: [B*G]}
+            reward, per_fn = score(task, rows, rollouts.texts, G)
+            # 9: Â_{i,t} = (r_i - mean(r)) / std(r) over o_i's group, the same for every token t
+            advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
+            # log π_ref(o_i,t | q, o_i,<t) for the KL term [B*G, C] (β = 0: no π_ref, no KL)
+            ref_logps = None
+            if run.ref_model is not None:
+                ref_logps = sampling.frozen_logps(
+                    run.ref_model, rollouts, micro, run.dtype, not args.gradient_checkpointing
+                )
+            old_logps, updates = None, []  # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
+            # 10: for GRPO iteration = 1, ..., μ
+            for _ in range(args.num_iterations):
+                # 11: update π_θ by maximizing eq. 3 (one AdamW step)
+                stats, logps = grpo_update(run, args, rollouts, advantages, old_logps, ref_logps)
+                updates.append(stats)
+                if old_logps is None and args.num_iterations > 1:
+                    old_logps = logps  # iteration 1 ran before any update: π_old's log-probs
+            log_step(run, args, step + 1, rows, rollouts, reward, per_fn, updates, started)
+            saved = save_if_due(run, args, step + 1)
+            if STOPS.signum is not None:  # Ctrl-C, SIGTERM, SIGHUP: the step finished, is saved
+                raise Stopped(STOPS.signum, everywhere=True, saved=saved)
+        except (KeyboardInterrupt, UserError) as e:  # a second Ctrl-C, a reward that raised
+            updated = run.scheduler.last_epoch != updates_before  # then the step counts as done
+            rng = {**checkpoint.rng_state(), **rng}  # numpy's and Python's: as they are
+            checkpoint.save_interrupted(run, run.flags, step, updated, rng, stopped_by=e)
+            raise
+        evaluate_if_due(run, args, step + 1)
+    if len(run.evals) > 1:
+        count = len(task.eval[: args.eval_limit])
+        report.print_eval_table(run.evals, count, args.eval_samples, run.flags.eval_temperature)
+    report.curves(args.output_dir)
+    return run.evals
+
+
+def score(task, rows, completions, G):
+    """Line 8: each reward function on the G completions of each row (row 0's G first), summed
+    with the functions' weights: (total [N], {name: [N]})."""
+    responses = task.responses(completions)  # the response prefix, then the completion
+    answers = [row["answer"] for row in rows for _ in range(G)]
+    per_fn = {}
+    for r in task.rewards:
+        values = [float(v) for v in r.fn(responses, answers)]
+        per_fn[r.name] = torch.tensor(values, dtype=torch.float32)
+        if len(values) != len(responses) or not per_fn[r.name].isfinite().all():
+            raise UserError(f"reward function {r.name!r} must return one finite number each")
+    return sum(r.weight * per_fn[r.name] for r in task.rewards), per_fn
+
+
+def grpo_update(run, args, rollouts, advantages, old_logps, ref_logps):
+    """Line 11: one AdamW step maximizing eq. 3 on the rollouts. Forward and backward over
+    micro-batches of whole groups, each loss divided by the WHOLE batch's denominator (so the
+    gradients add up to the full batch's); then clip the gradient, AdamW, the LR schedule. A loss
+    or gradient that is not finite skips the step: no NaN reaches the weights. Returns the step's
+    statistics and π_θ's log-probs before it [N, C] (π_old's, for the iterations after)."""
+    model, optimizer, G = run.model, run.optimizer, args.num_generations
+    model.train()
+    mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
+    normalizer = float(grpo.loss_denominator(mask))  # N: eq. 3's 1/G Σ_i over the whole batch
+    micro = args.micro_batch_size or args.batch_size * G
+    sums = dict.fromkeys(("loss", "entropy", "tokens", "kl", "clipped"), 0.0)
+    logps_before = torch.zeros(mask.shape, device=mask.device)
+    lr = run.scheduler.get_last_lr()[0]
+    optimizer.zero_grad(set_to_none=True)
+    for rows in sampling.micro_batches(mask.shape[0], micro):
+        ids, attn, keep = sampling.micro_batch_inputs(rollouts, rows)  # no all-padding columns
+        m, cut = mask[rows, :keep], lambda x: None if x is None else x[rows, :keep]
+        with sampling.autocast(ids.device, run.dtype):
+            logps, entropy = sampling.token_logprobs(
+                model, ids, attn, keep, rollouts.temperature, entropy=True, group_size=G
+            )  # log π_θ(o_i,t | q, o_i,<t) with grad [n, keep], and the entropy of π_θ there
+            logps_before[rows, :keep] = logps.detach()
+            sums["entropy"] += (entropy * m).sum().item()
+            stats = {}
+            loss = grpo.grpo_loss(
+                logps, cut(old_logps), cut(ref_logps), advantages[rows], m,
+                epsilon=args.epsilon, beta=args.beta, normalizer=normalizer, stats=stats,
+            )  # fmt: skip
+            loss.backward()
+        sums["loss"] += loss.item()
+        for k in ("tokens", "kl", "clipped"):
+            sums[k] += stats[k]
+    limit = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit))
+    skipped = None if math.isfinite(sums["loss"]) else "non-finite loss"
+    skipped = skipped or (None if math.isfinite(grad_norm) else "non-finite gradient norm")
+    if skipped is None:
+        optimizer.step()
+        run.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients before the next generation
+    run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
+    if run.skipped_in_a_row >= 3:
+        raise UserError(f"3 updates in a row were skipped ({skipped}): lower --lr, check rewards")
+    tokens = max(sums["tokens"], 1)
+    return dict(
+        loss=sums["loss"], kl=sums["kl"] / tokens, clip_frac=sums["clipped"] / tokens,
+        entropy=sums["entropy"] / tokens, grad_norm=grad_norm, lr=lr, skipped=skipped,
+    ), logps_before  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# The log, evaluation and checkpoints.
+
+
+def log_step(run, args, done, rows, rollouts, reward, per_fn, updates, started):
+    """Step `done`'s metrics: one line in OUTPUT_DIR/metrics.jsonl (the μ updates' mean), the
+    progress line, and every 10 steps the first completion."""
+    run.times.append(time.time() - started)
+    lengths, groups = rollouts.lengths.float(), reward.view(-1, args.num_generations)
+    skips = [u["skipped"] for u in updates if u["skipped"]]
+
+    def mean(key):
+        return float(np.mean([u[key] for u in updates]))
+
+    m = dict(
+        loss=mean("loss"),
+        reward=reward.mean().item(),
+        reward_std=reward.std().item(),
+        **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
+        **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
+        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
+        kl=mean("kl"),
+        clip_frac=mean("clip_frac"),
+        entropy=mean("entropy"),
+        grad_norm=mean("grad_norm"),
+        completion_len_mean=lengths.mean().item(),
+        completion_len_max=int(lengths.max()),
+        frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
+        frac_truncated=rollouts.truncated.float().mean().item(),
+        lr=updates[0]["lr"],
+        step_time=run.times[-1],
+        tokens_per_s=lengths.sum().item() / run.times[-1],
+        eta_s=float(np.mean(run.times) * (args.steps - done)),
+        skipped_nonfinite=len(skips),
+        **({"skip_reason": skips[0]} if skips else {}),
+    )
+    write_row(run, {"step": done, **m})
+    print(
+        f"step {done}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | kl "
+        f"{m['kl']:.4f} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f} | "
+        f"zero-std {m['frac_zero_std']:.2f} | {m['step_time']:.2f}s | eta {m['eta_s']:.0f}s"
+        + (f" | SKIPPED: {skips[0]}" if skips else ""),
+        flush=True,
+    )
+    if done % 10 == 0:
+        first = run.task.responses(rollouts.texts)[0]
+        print(f"--- step {done}, reward {reward[0]:.2f}, answer {rows[0]['answer']}:\n{first}\n---")
+
+
+def write_row(run, row):
+    with open(run.log.path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def eval_due(run, args, step):
+    """Before training, every --eval-every steps, after the last step; --eval-every -1: never."""
+    periodic = args.eval_every > 0 and step % args.eval_every == 0
+    ends = step in (0, args.steps)
+    return args.eval_every >= 0 and len(run.task.eval) > 0 and (ends or periodic)
+
+
+def evaluate_if_due(run, args, step):
+    """Held-out accuracy, format, pass@k and maj@k of π_θ (support/evaluation.py), unless a
+    resumed run logged this step's already. A signal during it stops at once (training is saved
+    before every evaluation)."""
+    if not eval_due(run, args, step) or step in dict(run.evals):
+        return
+    with STOPS.at_once(f"the evaluation at step {step}; training is saved up to it"):
+        settings = evaluation.EvalSettings.of(run.flags)
+        result = evaluation.evaluate_with(run.model, run.tokenizer, run.task, settings, run.dtype)
+    run.evals.append((step, result))
+    print(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    write_row(run, {"step": step, **{f"eval/{k}": v for k, v in result.items()}})
+
+
+def save_if_due(run, args, done):
+    """A checkpoint (support/checkpoint.py: atomic, the weights checked finite first) every
+    --save-every steps, after the last step, before an evaluation, and when a signal asked to
+    stop. Returns whether it saved."""
+    periodic = args.save_every > 0 and done % args.save_every == 0
+    stop = STOPS.signum is not None
+    if not (periodic or stop or done == args.steps or eval_due(run, args, done)):
+        return False
+    checkpoint.save_run(run, run.flags, done, checkpoint.rng_state(), final=stop)
+    return True
+
+
+def rng_now():
+    """torch's RNG state at a step's start (a step draws from torch's generator alone: data.batch_at
+    seeds its own), for a checkpoint saved inside the step: --resume then redoes it exactly."""
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return dict(torch=torch.get_rng_state(), **cuda)
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def main(argv=None):
+    """Flags, setup, train(). Bad input and running out of memory end with one paragraph on stderr
+    and exit code 2, not a traceback; Ctrl-C and SIGTERM finish the step and save it."""
+    try:
+        args, flags = parse_args(argv)
+        with rundir.claim_output_dir(flags):  # one live run per directory
+            run = setup(args, flags)
+            with STOPS:
+                return train(run, args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        print(
+            f"error: out of memory ({type(e).__name__}). Lower --micro-batch-size (a multiple of "
+            "--num-generations), add --gradient-checkpointing, or lower --max-new-tokens; --resume "
+            "continues from the last checkpoint in the output directory.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    sys.stdout, sys.stderr = DevNullWhenReaderGone(sys.stdout), DevNullWhenReaderGone(sys.stderr)
+    try:
+        main()
+    except KeyboardInterrupt as e:  # 130 for Ctrl-C; a signal's 128 + its number (Stopped)
+        raise SystemExit(getattr(e, "exit_code", 130)) from None
