@@ -99,7 +99,7 @@ def test_grpo_py_and_test_grpo_py_copied_alone_into_an_empty_directory_pass(tmp_
 
 
 def test_readme_algorithm_1_map_names_code_that_exists():
-    # Each `name` in the map's second column: a loop header of train(), a function of trainer.py, or
+    # Each `name` in the map's second column: a loop header of train(), a function of train.py, or
     # module.function.
     table = source("README.md").split("## Algorithm 1 to code")[1].split("\n\n")[2]
     names = [
@@ -108,7 +108,7 @@ def test_readme_algorithm_1_map_names_code_that_exists():
     assert len(names) == 9
     for name in names:
         if name.startswith("for "):
-            assert name in source("trainer.py"), name
+            assert name in source("train.py"), name
         else:
             module, _, function = name.rpartition(".")
             assert f"\ndef {function}(" in source(f"{module or 'train'}.py"), name

@@ -16,27 +16,29 @@ from helpers import ROOT, torchrun_env
 from support import rundir
 
 SHORT = ["--steps", "2", "--demo-warmup-steps", "10"]  # each command's run, kept short
+SHORT_REFERENCE = ["--steps", "2"]  # train.py takes no --demo-warmup-steps
 
 
 def readme_demo_commands():
-    """Every command in the README's code blocks that runs `trainer.py --demo`, in order, as typed:
+    """Every command in the README's code blocks that runs `train.py --demo` or `trainer.py --demo`,
+    in order, as typed:
     the part after `pip install ... &&`, without the trailing comment."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
     commands = []
     for line in (line for block in blocks for line in block.splitlines()):
         command = line.split(" #")[0].split("&&")[-1].strip()
-        if "trainer.py --demo" in command:
+        if "train.py --demo" in command or "trainer.py --demo" in command:
             commands.append(shlex.split(command))
     return commands
 
 
 def as_run_here(command):
-    """A README command run from another working directory: trainer.py by its path in the
-    repository, python as this interpreter, torchrun as its module."""
+    """A README command run from another working directory: train.py and trainer.py by their
+    paths in the repository, python as this interpreter, torchrun as its module."""
     program, rest = (
         command[0],
-        [os.path.join(ROOT, a) if a == "trainer.py" else a for a in command[1:]],
+        [os.path.join(ROOT, a) if a in ("train.py", "trainer.py") else a for a in command[1:]],
     )
     if program == "python":
         return [sys.executable, *rest]
@@ -47,8 +49,8 @@ def as_run_here(command):
 
 def test_the_readme_has_its_demo_commands_where_the_walk_expects_them():
     commands = readme_demo_commands()
-    assert [c[0] for c in commands] == ["python", "python", "python", "torchrun"]
-    assert commands[0] == ["python", "trainer.py", "--demo"]  # the quickstart's, first
+    assert [c[0] for c in commands] == ["python"] * 5 + ["torchrun"]
+    assert commands[0] == ["python", "train.py", "--demo"]  # the quickstart's, first
 
 
 @pytest.mark.slow
@@ -57,7 +59,7 @@ def test_every_readme_demo_command_runs_as_typed_in_order_in_one_directory(tmp_p
     env = {**torchrun_env(), "OMP_NUM_THREADS": "1"}
     for command in readme_demo_commands():
         done = subprocess.run(
-            as_run_here(command) + SHORT,
+            as_run_here(command) + (SHORT_REFERENCE if "train.py" in command else SHORT),
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -66,7 +68,7 @@ def test_every_readme_demo_command_runs_as_typed_in_order_in_one_directory(tmp_p
         )
         assert done.returncode == 0, (command, done.stderr[-2000:])
     runs = sorted(os.listdir(tmp_path / "runs"))
-    assert len(runs) == 4 and all(re.fullmatch(r"demo(-lora)?-\d{8}-\d{6}(-\d+)?", r) for r in runs)
+    assert len(runs) == 6 and all(re.fullmatch(r"demo(-lora)?-\d{8}-\d{6}(-\d+)?", r) for r in runs)
 
 
 def test_a_new_run_gets_a_new_directory_and_a_suffix_when_the_second_is_taken(
