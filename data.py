@@ -272,6 +272,36 @@ ADDITION_RANGE = (10, 49)
 ADDITION_HELD_OUT = 200
 
 
+def as_is(tokenizer, text):
+    """A task's prompt as it is: no chat template (the demos' tiny models know none)."""
+    return text
+
+
+def demo_task(problems):
+    """The offline demo's task (support/demo.py): its 100 problems, trained and evaluated on, scored
+    by correctness_reward."""
+    what = f"the demo's {len(problems)} problems"
+    return demo_like_task(problems, problems, what, f"{what} (the ones it trains on)")
+
+
+def tool_demo_task(train, held_out):
+    """--demo --tool calculator's task: sums of a, b in [0, 99], some held out."""
+    sums = f"{len(train)} sums a + b of a, b in [0, 99]"
+    return demo_like_task(train, held_out, sums, f"{len(held_out)} other sums (never trained on)")
+
+
+def demo_like_task(train, held_out, train_from, eval_from):
+    return Task(
+        train=train,
+        eval=held_out,
+        template=as_is,
+        rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
+        extract_answer=rewards.extract_answer,
+        train_from=train_from,
+        eval_from=eval_from,
+    )
+
+
 def addition_rows(seed=ADDITION_SEED, low=ADDITION_RANGE[0], high=ADDITION_RANGE[1], held_out=None):
     """(train rows, held-out rows) of the addition task: {"prompt": "What is A + B?", "answer":
     "A+B"}, generated from `seed` alone (Python's random.Random), the same on every machine and

@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 
 import grpo
 from support import decode
+from support.models import prepare_tokenizer  # noqa: F401 (sampling.prepare_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -417,15 +418,6 @@ def concat_rollouts(parts):
         sampler_logps=completions("sampler_logps"),
         log_kept=completions("log_kept"),
     )
-
-
-def prepare_tokenizer(tokenizer):
-    """Left padding, so every prompt of a batch ends at the column where generation starts, and a
-    pad token (EOS if the tokenizer has none)."""
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,10 +33,11 @@ from transformers import get_scheduler, set_seed
 
 import config
 import data
+import evaluation
 import grpo
 import rewards
 import sampling
-from support import checkpoint, demo, evaluation, models, report, rundir
+from support import checkpoint, demo, models, report, rundir
 from support.errors import UserError
 from support.signals import STOPS, DevNullWhenReaderGone, Stopped
 
@@ -123,9 +124,9 @@ def setup(args, flags):
     set_seed(args.seed)
     fits = functools.partial(models.check_context, args.max_new_tokens, flags.max_prompt_length)
     if args.demo:  # a 2-layer Llama, warmed up on the task to answer right now and then
-        model, tokenizer, task = demo.setup(
-            args.seed, flags.demo_warmup_steps, flags.demo_target_accuracy
-        )
+        warmup, target = flags.demo_warmup_steps, flags.demo_target_accuracy
+        model, tokenizer, problems = demo.setup(args.seed, warmup, target)
+        task = data.demo_task(problems)
         fits(model.config, "the demo's model")
     else:
         task = data.task_from_flags(flags)

@@ -26,12 +26,13 @@ from transformers import get_scheduler, set_seed
 
 import config
 import data
+import evaluation
 import grpo
 import rewards
 import sampling
 import tools
 from sampling import frozen_logps, micro_batch_inputs, micro_batches
-from support import checkpoint, decode, demo, distributed, evaluation, models, report, rundir
+from support import checkpoint, decode, demo, distributed, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
 from support.reward_loading import from_flags as rewards_from_flags
@@ -298,7 +299,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
         if ref_model is not None and ref_model is not model:
             distributed.shard_model(ref_model)
     # torchrun: DDP (it broadcasts rank 0's weights)
-    ddp = None if args.fsdp else distributed.wrap(model)
+    ddp = None if args.fsdp else distributed.wrap(model, sampling.token_logprobs)
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
     scheduler = get_scheduler(
         args.lr_scheduler,
@@ -833,9 +834,11 @@ def setup(args, resume_dir=None):
     if args.demo:
         seed, steps, target = args.seed, args.demo_warmup_steps, args.demo_target_accuracy
         if args.tool:  # the tool demo: sums beyond the tiny model's head, and the calculator
-            model, tokenizer, task = demo.tool_setup(seed, steps)
+            model, tokenizer, (train, held_out) = demo.tool_setup(seed, steps)
+            task = data.tool_demo_task(train, held_out)
         else:
-            model, tokenizer, task = demo.setup(seed, steps, target)
+            model, tokenizer, problems = demo.setup(seed, steps, target)
+            task = data.demo_task(problems)
         fits(model.config, "the demo's model")
         return load_task(args, task), model, tokenizer
     task = load_task(args)

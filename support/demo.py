@@ -4,7 +4,8 @@ share.
     python trainer.py --demo  # a 2-layer Llama learns 1-digit addition from the reward alone (CPU)
 
 The task: "3 + 4 =" -> "<answer> 7 </answer>", all 100 problems, scored by
-rewards.correctness_reward (the function the GSM8K run uses). The demo trains and measures on the
+rewards.correctness_reward (the function the GSM8K run uses; data.demo_task). The demo trains and
+measures on the
 same 100 problems: it shows the reward rising, not generalization. A short supervised warm-up first
 brings the model to about --demo-target-accuracy, so GRPO starts from a weak but non-zero skill, as
 it does from a pretrained model; everything above that is GRPO's.
@@ -14,9 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import data
-import rewards
-import sampling
+from support.models import prepare_tokenizer
 
 WORDS = ["<pad>", "<eos>", "<unk>", "+", "=", "<answer>", "</answer>"] + [str(n) for n in range(19)]
 PAD, EOS = 0, 1  # the ids of "<pad>" and "<eos>" in every tokenizer built here
@@ -66,7 +65,7 @@ def word_tokenizer(words, unk_token="<unk>"):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=word_level, pad_token=words[PAD], eos_token=words[EOS], unk_token=unk_token
     )
-    return sampling.prepare_tokenizer(tokenizer)
+    return prepare_tokenizer(tokenizer)
 
 
 def model_and_tokenizer(seed):
@@ -76,7 +75,8 @@ def model_and_tokenizer(seed):
 
 
 def setup(seed, warmup_steps, target_accuracy):
-    """The demo's model (warmed up), tokenizer and task. One thread: a model this small gains
+    """The demo's model (warmed up), tokenizer and problems (data.demo_task makes them a task). One
+    thread: a model this small gains
     nothing from intra-op parallelism, and spinning OpenMP threads slow it down many times over
     on a shared machine."""
     torch.set_num_threads(1)
@@ -90,26 +90,7 @@ def setup(seed, warmup_steps, target_accuracy):
         f"{steps} steps at p(right answer) = {accuracy(model, tokenizer, problems):.3f}",
         flush=True,
     )
-    task = demo_task(
-        problems,
-        problems,
-        f"the demo's {len(problems)} problems",
-        f"the demo's {len(problems)} problems (the ones it trains on)",
-    )
-    return model, tokenizer, task
-
-
-def demo_task(train, held_out, train_from, eval_from):
-    """A demo's task: its problems as they are (no template), scored by correctness_reward."""
-    return data.Task(
-        train=train,
-        eval=held_out,
-        template=lambda tokenizer, question: question,
-        rewards=rewards.weighted([("correctness", rewards.correctness_reward)], [1.0]),
-        extract_answer=rewards.extract_answer,
-        train_from=train_from,
-        eval_from=eval_from,
-    )
+    return model, tokenizer, problems
 
 
 def examples(tokenizer, problems):
@@ -197,8 +178,8 @@ def tool_examples(tokenizer, problems, call):
 
 def tool_setup(seed, warmup_steps, batch_size=64, lr=3e-3):
     """--demo --tool calculator's model (warmed up: `warmup_steps` supervised steps on a mix of
-    TOOL_SHARE calls and bare answers), tokenizer and task (the calculator's tools come from the
-    flags)."""
+    TOOL_SHARE calls and bare answers), tokenizer and (train, held-out) problems
+    (data.tool_demo_task makes them a task; the calculator's tools come from the flags)."""
     torch.set_num_threads(1)
     model = tiny_llama(
         len(TOOL_WORDS), seed, hidden_size=128, intermediate_size=256, max_position_embeddings=512
@@ -226,10 +207,4 @@ def tool_setup(seed, warmup_steps, batch_size=64, lr=3e-3):
         "them calling the calculator",
         flush=True,
     )
-    task = demo_task(
-        train,
-        held_out,
-        f"{len(train)} sums a + b of a, b in [0, 99]",
-        f"{len(held_out)} other sums (never trained on)",
-    )
-    return model, tokenizer, task
+    return model, tokenizer, (train, held_out)

@@ -18,8 +18,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-import sampling
-
 
 def init(device):
     """Join torchrun's process group when WORLD_SIZE > 1 (NCCL for CUDA, gloo for CPU) and pin
@@ -37,23 +35,26 @@ def init(device):
 
 
 class LogProbs(torch.nn.Module):
-    """sampling.token_logprobs as a module's forward, so that DistributedDataParallel sees the
-    whole computation (the chunked lm-head included) and all-reduces every parameter's gradient."""
+    """A log-prob function (sampling.token_logprobs) of the model as a module's forward, so that
+    DistributedDataParallel sees the whole computation (the chunked lm-head included) and
+    all-reduces every parameter's gradient."""
 
-    def __init__(self, model):
+    def __init__(self, model, logprobs):
         super().__init__()
-        self.model = model
+        self.model, self.logprobs = model, logprobs
 
     def forward(self, *args, **kwargs):
-        return sampling.token_logprobs(self.model, *args, **kwargs)
+        return self.logprobs(self.model, *args, **kwargs)
 
 
-def wrap(model):
-    """DistributedDataParallel around the policy's log-prob forward under torchrun, else None."""
+def wrap(model, logprobs):
+    """DistributedDataParallel around the policy's log-prob forward `logprobs(model, ...)` under
+    torchrun, else None."""
     if world() == 1:
         return None
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
-    return torch.nn.parallel.DistributedDataParallel(LogProbs(model), device_ids=device_ids)
+    module = LogProbs(model, logprobs)
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
 
 
 def shard_model(model):

@@ -14,7 +14,6 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import sampling
 from support.errors import UserError
 
 SMOLLM2_SHORT = re.compile(r"smollm2-(135m|360m|1\.7b)(-instruct)?", re.IGNORECASE)
@@ -76,7 +75,16 @@ def load_model(name, trust_remote_code=False, check_config=None):
     print(
         f"loaded {resolved}: {count / 1e9:.2f}B parameters in {time.time() - t0:.0f} s", flush=True
     )
-    return model, sampling.prepare_tokenizer(tokenizer)
+    return model, prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer):
+    """Left padding, so every prompt of a batch ends at the column where generation starts, and a
+    pad token (EOS if the tokenizer has none)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def hub_unreachable(repo_id):

@@ -417,7 +417,7 @@ def test_a_task_says_where_its_rows_came_from_in_the_users_words(tmp_path, monke
         "generated (--task addition, seed 0)",
         "generated (--task addition, seed 0, pairs never trained on)",
     )
-    task = demo.setup(0, 0, 0.0)[2]
+    task = data.demo_task(demo.setup(0, 0, 0.0)[2])
     assert (task.train_from, task.eval_from) == (
         "the demo's 100 problems",
         "the demo's 100 problems (the ones it trains on)",

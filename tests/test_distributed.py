@@ -86,7 +86,7 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
             loss_type,
         )
         torch.save(
-            one_update_gradients(*mine, ddp=distributed.wrap),
+            one_update_gradients(*mine, ddp=lambda m: distributed.wrap(m, sampling.token_logprobs)),
             f"{out_dir}/{loss_type}-rank{rank}.pt",
         )
         torch.save(

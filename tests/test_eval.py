@@ -12,11 +12,11 @@ import torch
 
 import config
 import data
+import evaluation
 import rewards
 import sampling
 import trainer
 from helpers import CPU, read_metrics, tiny_model_dir, write_gsm8k
-from support import evaluation
 
 # --- maj@k: the answer most of a question's k completions give, scored
 # ------------------------------------------------

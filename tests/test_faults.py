@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import config
+import evaluation
 import grpo
 import rewards
 import trainer
@@ -32,7 +33,7 @@ from helpers import (
     without_time,
     write_gsm8k,
 )
-from support import checkpoint, decode, demo, errors, evaluation, models, signals
+from support import checkpoint, decode, demo, errors, models, signals
 
 FAULT_ARGV = [
     *CPU,

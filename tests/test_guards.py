@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import evaluation
 import trainer
 from helpers import CPU, read_metrics, run_tiny, tiny_argv, tiny_model_dir, varied_reward
-from support import checkpoint, evaluation, models, signals
+from support import checkpoint, models, signals
 
 # --- weights that are not finite
 # --------------------------------------------------------------------------------------------------

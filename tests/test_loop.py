@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 import config
 import data
+import evaluation
 import rewards
 import sampling
 import trainer
@@ -39,7 +40,7 @@ from helpers import (
 )
 from rewards import format_reward
 from sampling import token_logprobs
-from support import demo, evaluation, models, report
+from support import demo, models, report
 
 
 def readme_block(title, language):

@@ -117,7 +117,7 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_samples_more_prompts_unti
 ):
     run_tiny(tmp_path / "run", "--dynamic-sampling", "--seed", "3", reward=odd_answers_spread)
     (row,) = read_metrics(tmp_path / "run")
-    problems = demo.setup(3, 0, 0.1)[2].train
+    problems = demo.setup(3, 0, 0.1)[2]
     # what the step must have done: batches of 4 prompts, stream k for the k-th extra call
     odd, calls = (
         0,

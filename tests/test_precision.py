@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import config
+import data
 import grpo
 import rewards
 import sampling
@@ -47,7 +48,8 @@ def sure_model():
     """The demo's model warmed up until it answers right with probability 0.9, its tokenizer and
     task (100 problems): greedy decoding of it has wide margins between the first and second
     token."""
-    model, tokenizer, task = demo.setup(0, warmup_steps=600, target_accuracy=0.9)
+    model, tokenizer, problems = demo.setup(0, warmup_steps=600, target_accuracy=0.9)
+    task = data.demo_task(problems)
     return model.eval(), tokenizer, task
 
 

@@ -137,7 +137,7 @@ def test_an_extractor_that_hangs_is_stopped_at_the_timeout_and_named(tmp_path):
     try:
         fn = w.load("hangs:answer", "--extract-answer", str(tmp_path))
         fn.timeout = 1.0
-        from support import evaluation
+        import evaluation
         from support.errors import UserError
 
         start = time.monotonic()
