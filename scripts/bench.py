@@ -729,6 +729,48 @@ def trl_steps(times, record, n, mu):
 # The driver: runs workers in fresh subprocesses and prints the table.
 
 
+# How to make the environment the TRL side runs in (the module docstring's commands, which a test
+# keeps in step with these).
+TRL_VENV = (
+    "python -m venv benchvenv",
+    "benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy trl==1.16.0",
+)
+
+
+def trl_python():
+    """The Python that runs the TRL side (--vs-trl, --parity): $BENCH_PYTHON, else this one."""
+    return os.environ.get("BENCH_PYTHON", sys.executable)
+
+
+def check_trl(flag):
+    """Before any worker starts: exit 2 with one paragraph on stderr unless trl_python() imports
+    trl. Before, the first TRL worker ended in ModuleNotFoundError and the worker's traceback."""
+    python = trl_python()
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import trl"], capture_output=True, text=True, cwd=ROOT, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"BENCH_PYTHON={python!r} could not be run ({type(e).__name__}: {e})"
+    else:
+        if proc.returncode == 0:
+            return
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        if "BENCH_PYTHON" in os.environ:
+            why = f"BENCH_PYTHON={python} cannot import trl ({last})"
+        else:
+            why = f"BENCH_PYTHON is unset, and this Python ({python}) cannot import trl ({last})"
+    example = f"{flag} --config tiny" if flag == "--vs-trl" else flag
+    print(
+        f"error: {flag} needs TRL, which runs in its own environment (it is not in "
+        f"requirements.txt): the Python that BENCH_PYTHON names. Here {why}. Make that environment "
+        f"once, TRL beside the pinned torch and transformers: `{TRL_VENV[0]} && {TRL_VENV[1]}`, "
+        f"then pass it: `BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench {example}`.",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
+
 def run_worker(a, name, *extra):
     flags = [
         "--worker",
@@ -767,11 +809,7 @@ def run_worker(a, name, *extra):
         *(["--compile", a.compile] if a.compile else []),
         *extra,
     ]
-    python = (
-        os.environ.get("BENCH_PYTHON", sys.executable)
-        if name in ("trl", "parity")
-        else sys.executable
-    )
+    python = trl_python() if name in ("trl", "parity") else sys.executable
     proc = subprocess.run(
         [python, "-m", "scripts.bench", *map(str, flags)],
         capture_output=True,
@@ -1881,6 +1919,9 @@ def main():
         print("RESULT " + json.dumps(work(a)), flush=True)
         return
 
+    for flag, wanted in (("--parity", a.parity), ("--vs-trl", a.vs_trl)):
+        if wanted:
+            check_trl(flag)
     if a.parity:
         return bench_parity(a)
     if a.rollout:

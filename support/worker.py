@@ -96,8 +96,8 @@ class Worker:
         if self.process is None or self.process.poll() is not None:
             self.start()
         try:
-            self.send(message)
-            with STOPS.waiting():
+            with STOPS.waiting():  # from the send: the child may begin the call at once
+                self.send(message)
                 status, *reply = self.receive(timeout, what)
         except BaseException:  # a timeout, a death, Ctrl-C or a signal: the child is ended
             self.close()

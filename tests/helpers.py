@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -32,6 +33,7 @@ CPU = ["--device", "cpu"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TIME_FIELDS = {"step_time", "tokens_per_s", "eta_s"}
+MARKER_DEADLINE_S = 600  # wait_for's default: generous, for a machine loaded by other jobs
 
 
 def tiny_llama(seed=0):
@@ -247,3 +249,32 @@ def decode_with_drawn_logprobs(
         model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id, record=record
     )
     return completions, record["drawn"] * grpo.completion_mask(completions, eos_ids)
+
+
+def wait_for(ready, proc, what, deadline_s=MARKER_DEADLINE_S):
+    """Poll `ready()` every 50 ms until it is true: a marker `proc` emits at the point a test
+    interrupts it (a file its code writes, a line in its log). A test that signals a process waits
+    for such a marker, not a fixed sleep, which under load can land before that point. Fails, with
+    the end of proc's output where it is a pipe, if proc ends first or `deadline_s` passes (then
+    proc is killed). `what` names the marker for the message."""
+    deadline = time.monotonic() + deadline_s
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the process ended (exit code {proc.returncode}) before {what}{output_of(proc)}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {what} within {deadline_s} s{output_of(proc)}")
+        time.sleep(0.05)
+
+
+def output_of(proc):
+    """The last 3000 characters of an ended (or killed) proc's piped output, on a line of their own;
+    "" where it has none left to read."""
+    try:
+        out = [o for o in proc.communicate(timeout=60) if o]
+    except (subprocess.TimeoutExpired, ValueError):  # a child holds the pipe; a pipe closed
+        return ""
+    text = "".join(o if isinstance(o, str) else o.decode(errors="replace") for o in out)
+    return f":\n{text[-3000:]}" if text else ""

@@ -6,7 +6,6 @@ demo, FSDP2, exact resume). No rank sees a GPU.
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from helpers import (
     torchrun,
     torchrun_command,
     torchrun_env,
+    wait_for,
 )
 from support import checkpoint, demo, distributed
 
@@ -193,8 +193,11 @@ def torchrun_stopped(out_dir, argv, send):
         start_new_session=True,  # its own process group, as a terminal's job or a scheduler's job step
     )
     log = os.path.join(out_dir, "metrics.jsonl")
-    while proc.poll() is None and not (os.path.exists(log) and len(open(log).readlines()) >= 3):
-        time.sleep(0.02)
+    wait_for(
+        lambda: os.path.exists(log) and len(open(log).readlines()) >= 3,
+        proc,
+        "3 steps were logged",
+    )
     send(proc)
     return proc.communicate(timeout=300)[0]
 

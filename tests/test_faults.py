@@ -30,6 +30,7 @@ from helpers import (
     tiny_argv,
     tiny_model_dir,
     varied_reward,
+    wait_for,
     without_time,
     write_gsm8k,
 )
@@ -84,9 +85,8 @@ def train_subprocess(out_dir, env, steps, kill_after=None, signum=signal.SIGKILL
         stderr=subprocess.STDOUT,
     )
     if kill_after is not None:
-        while proc.poll() is None and started() == before:
-            time.sleep(0.05)
-        time.sleep(kill_after)
+        wait_for(lambda: started() > before, proc, 'its first line about training ("GRPO: ...")')
+        time.sleep(kill_after)  # a random moment of its training, the tests' point: not a marker's
         proc.send_signal(signum)
     return proc.wait()
 
@@ -361,8 +361,7 @@ def test_output_nobody_reads_any_more_loses_no_training(tmp_path, signum):
         # after step 1's metrics row: in a step, not the evaluation before training (that one stops
         # at once)
         log = out / "metrics.jsonl"
-        while proc.poll() is None and not (log.exists() and '"loss"' in log.read_text()):
-            time.sleep(0.02)
+        wait_for(lambda: log.exists() and '"loss"' in log.read_text(), proc, "step 1 was logged")
         proc.send_signal(signum)
     code = proc.wait()
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]

@@ -1,6 +1,6 @@
 """A newcomer's first hour: the README's --demo commands run as typed, in the order printed, in one
 working directory; runs without --output-dir get a directory each, and --resume without it finds the
-last run like it.
+last run like it; the benchmark against TRL, run without TRL, says how to get it.
 """
 
 import os
@@ -134,3 +134,66 @@ def test_under_torchrun_a_user_error_is_said_once_and_every_rank_exits_with_2(tm
     assert done.stderr.count("error: --demo brings its own task; drop --data") == 1
     # torchrun's own report: each rank's exit code
     assert sorted(re.findall(r"exitcode\s+: (-?\d+)", done.stderr)) == ["2", "2"]
+
+
+# scripts.bench's main, called here in-process: --threads 0 leaves this process's torch threads be
+NO_THREADS = ["--threads", "0"]
+
+
+@pytest.mark.parametrize("flag", ["--vs-trl", "--parity"])
+@pytest.mark.parametrize("bench_python", ["this python, without trl", "a path that is not there"])
+def test_the_benchmark_against_trl_without_trl_is_one_paragraph_and_exit_2_before_any_worker(
+    tmp_path, monkeypatch, capsys, flag, bench_python
+):
+    # Before (issue 43): ModuleNotFoundError: No module named 'trl' and a worker's traceback.
+    from scripts import bench
+
+    if bench_python.startswith("this python"):
+        if (
+            subprocess.run([sys.executable, "-c", "import trl"], capture_output=True).returncode
+            == 0
+        ):
+            pytest.skip("trl is installed here: this Python would run TRL's side")
+        python = sys.executable
+    else:
+        python = str(tmp_path / "no-such-venv" / "bin" / "python")
+    monkeypatch.setenv("BENCH_PYTHON", python)
+    started = []
+    monkeypatch.setattr(bench, "run_worker", lambda a, name, *extra: started.append(name))
+    monkeypatch.setattr(sys, "argv", ["bench.py", flag, "--config", "tiny", *NO_THREADS])
+    with pytest.raises(SystemExit) as info:
+        bench.main()
+    assert info.value.code == 2 and started == []  # before any worker
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag} needs TRL, which runs in its own environment")
+    assert err.count("\n") == 1 and "Traceback" not in err  # one paragraph
+    assert f"BENCH_PYTHON={python}" in err or f"BENCH_PYTHON={python!r}" in err
+    assert "`python -m venv benchvenv && benchvenv/bin/pip install torch==2.13.0 " in err
+    assert "transformers==5.23.0 numpy trl==1.16.0`" in err
+    assert "then pass it: `BENCH_PYTHON=benchvenv/bin/python python -m scripts.bench " in err
+    # the commands are the module docstring's, and its pins are requirements.txt's
+    assert all(f"    {line}\n" in bench.__doc__ for line in bench.TRL_VENV)
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = re.findall(r"^((?:torch|transformers)==\S+)$", f.read(), re.M)
+    assert len(pins) == 2 and all(pin in bench.TRL_VENV[1] for pin in pins)
+
+
+def test_the_benchmark_against_trl_goes_on_where_bench_python_imports_trl(tmp_path, monkeypatch):
+    # a stand-in for benchvenv/bin/python whose `import trl` succeeds: the check lets the run go on
+    from scripts import bench
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("BENCH_PYTHON", str(fake))
+
+    class Started(Exception):
+        pass
+
+    def run_worker(a, name, *extra):
+        raise Started(name)
+
+    monkeypatch.setattr(bench, "run_worker", run_worker)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--parity", *NO_THREADS])
+    with pytest.raises(Started, match="parity"):
+        bench.main()

@@ -62,9 +62,10 @@ def test_objective_flags_that_work_parse_and_reach_the_loss_settings(tmp_path):
 
 
 # --- what the decode records of each sampled token
-def decode_and_score(model, settings, autocast_dtype=None):
+def decode_and_score(model, settings, autocast_dtype=None, score_in_fp32=False):
     """(completions, the decode's record, the trainer's log-probs of the same tokens [N, C], the
-    loss mask) for 3 prompts x G = 4, decoded and scored in the same autocast."""
+    loss mask) for 3 prompts x G = 4, decoded and scored in the same autocast (score_in_fp32: the
+    decode in `autocast_dtype`, the scoring without autocast)."""
     torch.manual_seed(0)
     prompts, mask = torch.randint(2, 97, (3, 7)), torch.ones(3, 7, dtype=torch.long)
     record = {}
@@ -72,9 +73,10 @@ def decode_and_score(model, settings, autocast_dtype=None):
         completions = decode.lean_decode(
             model, prompts, mask, settings, 4, [demo.EOS], demo.PAD, record=record
         )
-        keep = grpo.completion_mask(completions, [demo.EOS])
-        ids = torch.cat([prompts.repeat_interleave(4, 0), completions], 1)
-        attention = torch.cat([mask.repeat_interleave(4, 0), keep], 1)
+    keep = grpo.completion_mask(completions, [demo.EOS])
+    ids = torch.cat([prompts.repeat_interleave(4, 0), completions], 1)
+    attention = torch.cat([mask.repeat_interleave(4, 0), keep], 1)
+    with sampling.autocast("cpu", None if score_in_fp32 else autocast_dtype):
         trainer = sampling.token_logprobs(
             model, ids, attention, completions.shape[1], settings.temperature, group_size=4
         )
@@ -102,19 +104,38 @@ def test_with_top_k_and_top_p_drawn_plus_log_kept_is_the_full_softmax_and_the_ga
     torch.testing.assert_close(drawn[m] + log_kept[m], trainer[m], rtol=0, atol=1e-5)
 
 
-def test_the_numerical_mismatch_is_zero_in_fp32_and_above_zero_and_finite_under_bf16():
-    # SmolLM2-135M's width (576): at 64 wide the CPU's bf16 kernels give the decode (one query
-    # row) and the training forward (all rows) the same sums (log-probs within an fp32 ulp); at
-    # 576 they block the sums differently. Measured: k3 1.4e-7, largest ratio 1.004 (bf16); 9e-14,
-    # 1 + 1e-6 (fp32).
+def test_the_numerical_mismatch_is_zero_in_fp32_finite_under_bf16_and_seen_between_bf16_and_fp32():
+    """The mismatch between the decode's log-probs and the training forward's, at SmolLM2-135M's
+    width (576).
+
+    fp32 on both paths: zero up to fp32 rounding (measured k3 4e-14 to 9e-14, the largest ratio
+    1 + 1e-6; the decode's one query row and the forward's all rows sum in different orders).
+
+    bf16 on both paths: finite and >= 0, and zero is accepted. Both paths round the same weights
+    and activations to bf16, so whether they differ depends only on whether this CPU's kernels
+    block the sums of one row (the decode) and of all rows (the forward) differently. Measured on
+    one CPU with torch 2.13: oneDNN's AMX kernels do (k3 1.7e-7, the largest ratio 1.003); the same
+    CPU with oneDNN held to AVX2, AVX-512 or AVX-512 BF16 (ONEDNN_MAX_CPU_ISA) does not (k3 1e-14
+    to 2e-14, fp32's level), nor did the CPU of issue 43 (1.2e-14). A wider model is no cure:
+    1536 differed under AVX2 and AVX-512 BF16, but that too is a property of the kernels, so no
+    difference is asserted.
+
+    A bf16 decode scored by an fp32 forward (a bf16 sampler beside an fp32 trainer): above zero on
+    every CPU, since bf16's rounding itself changes the logits (measured k3 4e-6 to 5e-6, the
+    largest ratio 1.010 to 1.011, under each of those kernels): the measure sees a real mismatch.
+    """
     model = demo.tiny_llama(97, 0, hidden_size=576, intermediate_size=1152, num_hidden_layers=2)
     settings = sampling.Sampling(1.0, 0, 1.0, 10)
     _, record, trainer, keep = decode_and_score(model.eval(), settings)
     kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
-    assert kl < 1e-10 and largest - 1 < 1e-5
+    assert 0 <= kl < 1e-10 and 1 <= largest < 1 + 1e-5
     _, record, trainer, keep = decode_and_score(model, settings, torch.bfloat16)
     kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
-    assert 1e-10 < kl < 1e-3 and 1 + 1e-4 < largest < 1.1 and math.isfinite(kl)
+    assert math.isfinite(kl) and math.isfinite(largest)
+    assert 0 <= kl < 1e-3 and 1 <= largest < 1.1
+    _, record, trainer, keep = decode_and_score(model, settings, torch.bfloat16, score_in_fp32=True)
+    kl, largest = grpo.sampler_mismatch(trainer, record["drawn"], keep)
+    assert math.isfinite(kl) and 1e-7 < kl < 1e-3 and 1 + 1e-3 < largest < 1.1
 
 
 def test_the_helper_and_the_rollouts_see_the_decodes_record():

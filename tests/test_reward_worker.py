@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, assert_same_run, own_task_argv, read_metrics
+from helpers import ROOT, assert_same_run, own_task_argv, read_metrics, wait_for
 from support import checkpoint, worker
 
 # Each fails at step 2 while ./fail exists (so --resume, with it gone, scores as `steady`).
@@ -26,6 +26,7 @@ def steady(completions, answers):
     return [float(len(c) % 3) for c in completions]
 def stubborn(completions, answers):
     if failing():
+        open("hung", "w").close()  # the marker: the call that hangs has begun
         while True:
             try:
                 time.sleep(3600)
@@ -43,9 +44,10 @@ def greedy(completions, answers):
 """
 
 
-def train_py(tmp_path, *argv, sigterm_after=None):
-    """python trainer.py ARGV in tmp_path (where my_rewards.py is); SIGTERM after `sigterm_after` s.
-    Returns (exit code, stderr, seconds)."""
+def train_py(tmp_path, *argv, sigterm_at=None):
+    """python trainer.py ARGV in tmp_path (where my_rewards.py is); SIGTERM as soon as the file
+    `sigterm_at` exists in tmp_path (the marker its reward function writes). Returns (exit code,
+    stderr, seconds)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "trainer.py"), *argv],
@@ -54,22 +56,20 @@ def train_py(tmp_path, *argv, sigterm_after=None):
         stderr=subprocess.PIPE,
         text=True,
     )
-    if sigterm_after is not None:
-        while not (tmp_path / "step1-done").exists() and proc.poll() is None:
-            time.sleep(0.1)
-        time.sleep(sigterm_after)
+    if sigterm_at is not None:
+        wait_for((tmp_path / sigterm_at).exists, proc, f"its reward function wrote {sigterm_at}")
         proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=300)[1]
     return proc.returncode, err, time.monotonic() - start
 
 
-def failing_then_resumed(tmp_path, fn, *extra, sigterm_after=None):
+def failing_then_resumed(tmp_path, fn, *extra, sigterm_at=None):
     """A 3-step run whose reward `fn` fails at step 2, then --resume with it no longer failing;
     compared with a run that never failed. Returns (exit code, stderr) of the failing run."""
     (tmp_path / "my_rewards.py").write_text(MODULE)
     (tmp_path / "fail").touch()
     argv = own_task_argv(tmp_path, "--reward-fn", f"my_rewards:{fn}", "--steps", "3", *extra)
-    code, err, seconds = train_py(tmp_path, *argv, sigterm_after=sigterm_after)
+    code, err, seconds = train_py(tmp_path, *argv, sigterm_at=sigterm_at)
     print(f"{fn}: exit {code} after {seconds:.1f} s")
     assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 1
     (tmp_path / "fail").unlink()
@@ -93,7 +93,9 @@ def test_a_reward_that_catches_baseexception_forever_is_killed_at_the_timeout_an
 
 @pytest.mark.slow
 def test_sigterm_while_waiting_on_a_hung_reward_stops_at_once_saved_and_exits_143(tmp_path):
-    code, err = failing_then_resumed(tmp_path, "stubborn", sigterm_after=1.0)
+    # SIGTERM once `stubborn` has begun the call that hangs (it writes ./hung): before, 1 s after
+    # step 1's reward, which under load came before step 2's call began
+    code, err = failing_then_resumed(tmp_path, "stubborn", sigterm_at="hung")
     assert code == 143
     assert "SIGTERM: stopping at once, during a call to the worker process (ended)" in err
 
@@ -147,6 +149,36 @@ def test_an_extractor_that_hangs_is_stopped_at_the_timeout_and_named(tmp_path):
             evaluation.answer_of(fn, "7")
         assert time.monotonic() - start < 1.0 + worker.TERM_GRACE_S + 2
         assert w.process is None  # ended
+    finally:
+        w.close()
+
+
+def test_a_signal_while_a_call_is_being_sent_stops_at_once_as_one_during_the_call(tmp_path, capsys):
+    # The trainer counts as waiting on the worker from the send on: the child may begin the call
+    # (and a hung one write its marker, test_sigterm_while_waiting_...) as soon as it is sent.
+    # Before, a signal between the send and the wait was a request for the step's end, so the run
+    # went on waiting on the call it had just sent.
+    from support import signals
+
+    (tmp_path / "quick.py").write_text("def f(c, a):\n    return [1.0] * len(c)\n")
+    w = worker.Worker()
+    try:
+        fn = w.load("quick:f", "--reward-fn", str(tmp_path))
+        send = w.send
+
+        def signalled_send(message):
+            if message[0] == "call":
+                os.kill(os.getpid(), signal.SIGTERM)
+            send(message)
+
+        w.send = signalled_send
+        with pytest.raises(signals.Stopped) as info:
+            with signals.STOPS:
+                fn(["a"], ["1"])
+        assert info.value.exit_code == 143 and w.process is None  # the child ended
+        err = capsys.readouterr().err
+        assert "SIGTERM: stopping at once, during a call to the worker process (ended)" in err
+        assert signals.STOPS.signum is None  # forgotten: the next run starts clean
     finally:
         w.close()
 
