@@ -6,6 +6,7 @@ unnoticed. Also the reference's own promises: its size, its flags, exact resume,
 import ast
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,3 +167,23 @@ def test_train_py_is_at_most_450_lines_and_reads_as_algorithm_1():
         a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
     }
     assert "trainer" not in imported  # the reference stands on the shared modules alone
+
+
+def test_every_train_py_command_in_the_readme_and_docs_takes_train_py_flags_only():
+    # "Every command in the README and docs runs as typed": a train.py command with a flag only
+    # trainer.py takes would end in argparse's error. torchrun runs trainer.py (the reference is
+    # one process).
+    known = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(train.Args)} | {"--help"}
+    wrong = []
+    for name in ["README.md"] + sorted(os.listdir(os.path.join(ROOT, "docs"))):
+        path = os.path.join(ROOT, name if name == "README.md" else os.path.join("docs", name))
+        if not path.endswith(".md"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            text = f.read().replace("\\\n", " ")
+        for line in text.splitlines():
+            for command in re.findall(r"(?<![\w/])train\.py(?: [^`\n#|)]*)?", line):
+                flags = {word.split("=")[0] for word in command.split() if word.startswith("--")}
+                if flags - known or re.search(r"torchrun (?:[-\w=]+ )*train\.py", line):
+                    wrong.append((name, command[:80], sorted(flags - known)))
+    assert wrong == []
