@@ -400,7 +400,7 @@ def multiplication_task(with_tools):
 
 
 def task_from_flags(args):
-    """The task that --data describes, with its default rewards (reward_loading.from_flags applies
+    """The task that --data describes, with its default rewards (rewards.from_flags applies
     --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
     with --prompt-field or --answer-field, your own rows (as they are, no system prompt unless
     --system-prompt). --data is a JSONL file or a Hugging Face dataset (hf_datasets.parse_source).

@@ -35,8 +35,6 @@ from sampling import frozen_logps, micro_batch_inputs, micro_batches
 from support import checkpoint, decode, demo, distributed, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
-from support.reward_loading import from_flags as rewards_from_flags
-from support.reward_loading import load_reward_fn
 from support.signals import STOPS, DevNullWhenReaderGone
 from support.worker import Worker
 
@@ -800,7 +798,7 @@ def load_task(args, task=None):
     extract = task.extract_answer
     if args.extract_answer is not None:
         # by import path: in its own worker process (support/worker.py), --reward-timeout per call
-        extract = load_reward_fn(
+        extract = rewards.load_reward_fn(
             args.extract_answer,
             "--extract-answer",
             rewards.ANSWER_EXTRACTORS,
@@ -810,7 +808,7 @@ def load_task(args, task=None):
     task = dataclasses.replace(
         task,
         response_prefix=args.response_prefix,
-        rewards=rewards_from_flags(args, named, task.field_names),
+        rewards=rewards.from_flags(args, named, task.field_names),
         extract_answer=extract,
         tools=task.tools or tools.from_flags(args),
     )

@@ -8,7 +8,7 @@ from support.errors import UserError
 class RewardModel:
     """A --reward-model: a sequence classifier with one output (num_labels=1) whose score for prompt
     + response is the reward. Frozen, it runs in batches under no_grad on the training device, in
-    `dtype` (the run's compute dtype, from reward_loading.from_flags: bf16 on CUDA by default). Its
+    `dtype` (the run's compute dtype, from rewards.from_flags: bf16 on CUDA by default). Its
     text: the model's chat template over the user prompt and the assistant response when its
     tokenizer has one, else the prompt, a newline and the response. Fits the reward-function
     contract (rewards.py)."""

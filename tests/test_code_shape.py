@@ -136,3 +136,27 @@ def test_the_tools_time_the_loop_through_its_hook_not_by_patching_it():
     for name in ("scripts/bench.py", "scripts/gpu_check.py"):
         assert "mock" not in source(name), name
         assert "phases.Phases" in source(name) or "Phases)" in source(name), name
+
+
+def test_support_is_a_lower_floor_importing_no_root_module_and_no_two_files_each_other():
+    # support/ holds what the root's modules stand on: it imports none of them (lazily neither),
+    # and its own files import each other one way only.
+    root = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    imports = {}
+    for name in sorted(os.listdir(os.path.join(ROOT, "support"))):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(source(os.path.join("support", name)))
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        imports[name[:-3]] = found
+    assert {m: sorted(f & root) for m, f in imports.items() if f & root} == {}
+    uses = {
+        m: {f.split(".")[1] for f in found if f.startswith("support.") and f.count(".") >= 1}
+        for m, found in imports.items()
+    }
+    assert sorted((a, b) for a in uses for b in uses[a] if a in uses.get(b, ()) and a < b) == []

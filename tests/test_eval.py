@@ -92,7 +92,7 @@ def test_an_extract_answer_that_raises_is_one_clear_error(tmp_path, monkeypatch)
         "def final(completion):\n    return completion.split('=')[1]\n"
     )
     monkeypatch.chdir(tmp_path)
-    from support.reward_loading import load_reward_fn
+    from rewards import load_reward_fn
 
     name, fn = load_reward_fn("my_answers:final", "--extract-answer", rewards.ANSWER_EXTRACTORS)
     assert fn("1 + 1 = 2") == " 2"

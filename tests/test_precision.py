@@ -348,7 +348,7 @@ def test_the_loop_runs_under_autocast_with_finite_metrics_and_changes_the_weight
 
 @pytest.mark.slow
 def test_a_reward_model_scores_in_the_compute_dtype(tmp_path):
-    from support.reward_loading import from_flags
+    from rewards import from_flags
     from support.reward_model import RewardModel
 
     path = tiny_reward_model_dir(tmp_path)

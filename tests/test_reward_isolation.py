@@ -23,7 +23,7 @@ import data
 import rewards
 import trainer
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
-from support import checkpoint, reward_loading, signals
+from support import checkpoint, signals
 
 MODULE = "isolation_rewards"
 
@@ -344,13 +344,13 @@ def test_reward_timeout_flag_reaches_every_reward_function_and_model(tmp_path):
             *"--reward-timeout 7".split(),
         )
     )
-    assert [(r.name, r.timeout) for r in reward_loading.from_flags(args, [])] == [
+    assert [(r.name, r.timeout) for r in rewards.from_flags(args, [])] == [
         ("format", 7.0),
         ("tiny-rm", 7.0),
     ]
     default = config.parse_args(own_task_argv(tmp_path))
     assert [
-        r.timeout for r in reward_loading.from_flags(default, [("format", rewards.format_reward)])
+        r.timeout for r in rewards.from_flags(default, [("format", rewards.format_reward)])
     ] == [rewards.DEFAULT_TIMEOUT]
     assert default.reward_timeout == rewards.DEFAULT_TIMEOUT == 600.0
 

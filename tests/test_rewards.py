@@ -1,6 +1,6 @@
 """rewards.py: answer extraction, correctness, format, the overlong penalty, extreme inputs and
 fuzz, every gold answer of the real GSM8K (where it is found beside the repository); your own
-reward functions (--reward-fn, support/reward_loading.py) and reward models (--reward-model,
+reward functions (--reward-fn, rewards.from_flags) and reward models (--reward-model,
 support/reward_model.py). Logged rewards are float32 means: sums of them are compared at 1e-6.
 """
 
@@ -23,7 +23,7 @@ from data import batch_at, load_gsm8k
 from helpers import own_task_argv, read_metrics, tiny_reward_model_dir, write_rows
 from rewards import correctness_reward, extract_answer, format_reward, overlong_penalty
 from scripts import bench
-from support import checkpoint, reward_loading
+from support import checkpoint
 from support.reward_model import RewardModel
 
 
@@ -454,7 +454,7 @@ def test_a_reward_fn_flag_that_cannot_load_is_one_clear_error(
     if source is not None:
         write_module(tmp_path, "user_mod", source)
     with pytest.raises(config.UserError, match=re.escape(message)):
-        reward_loading.load_reward_fn(spec)
+        rewards.load_reward_fn(spec)
 
 
 def test_duplicate_reward_names_and_a_wrong_number_of_weights_are_refused(tmp_path):
@@ -499,9 +499,7 @@ def test_a_field_missing_from_a_batch_is_none_and_reserved_names_are_refused(tmp
     with pytest.raises(ValueError, match="bad.jsonl:1: a field may not be named 'prompts'"):
         data.load_jsonl(path)
     with pytest.raises(config.UserError, match="no reward may be named 'reward'"):
-        reward_loading.from_flags(
-            config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)]
-        )
+        rewards.from_flags(config.parse_args(own_task_argv(tmp_path)), [("reward", format_reward)])
 
 
 # --- reward functions that fail or return something else than numbers -----------------------------
