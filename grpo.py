@@ -14,6 +14,13 @@ Shapes: N completions (= B prompts × G samples, laid out group after group), T 
 Copy this file into your project as it is: it depends on torch alone. The log-probs it takes come
 from sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling
 temperature.
+
+grpo_loss is eq. 3, with the aggregations of DAPO and Dr. GRPO, GSPO's sequence ratio and the dual
+clip. What goes beyond it is a function of its own below, composed around grpo_loss by its caller
+(trainer.py's micro_batch_loss): CISPO's and SAPO's policy terms in place of eq. 3's min
+(grpo_loss's `surrogate`), and the top-ρ entropy mask, DeepSeek-V3.2's off-policy sequence mask and
+the sampler-trainer importance weights, which multiply each token's policy term (their product is
+grpo_loss's `weights`).
 """
 
 import torch
@@ -24,15 +31,16 @@ __all__ = [
     "group_advantages",
     "process_advantages",
     "completion_mask",
+    "cispo_objective",
+    "sapo_objective",
     "high_entropy_mask",
     "off_policy_mask",
     "sampler_weights",
     "sampler_mismatch",
 ]
 
-SURROGATES = ("clip", "cispo", "sapo")
 # the sums grpo_loss's stats dict holds
-STATS = ("tokens", "kl", "clipped", "ratio", "entropy_dropped", "sequences", "off_policy")
+STATS = ("tokens", "kl", "clipped", "ratio")
 SAMPLER_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # exp() of a log-ratio above about 88 overflows fp32 (a token far off-policy, or far from π_ref):
@@ -43,30 +51,10 @@ MAX_LOG_RATIO = 20.0
 
 
 def grpo_loss(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    *,
-    epsilon=0.2,
-    epsilon_high=None,
-    beta=0.04,
-    loss_type="grpo",
-    max_tokens=None,
-    normalizer=None,
-    ratio_level="token",
-    delta=None,
-    surrogate="clip",
-    sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05,
-    entropy=None,
-    top_entropy=1.0,
-    off_policy_threshold=None,
-    behavior_logps=None,
-    weights=None,
-    stats=None,
-):
+    logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.04,
+    loss_type="grpo", max_tokens=None, normalizer=None, ratio_level="token", delta=None,
+    surrogate=None, weights=None, stats=None,
+):  # fmt: skip
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
 
     logps      [N, T] log π_θ(o_t | q, o_<t), with grad.
@@ -87,44 +75,22 @@ def grpo_loss(
     delta:     dual clip (INTELLECT-2, arXiv 2505.07291), None: off. Where Â < 0, min(r Â,
                clip(r) Â) falls without bound as r grows (r = 10, Â = -1: -10); min(r, δ) stops it
                at δ Â (δ > 1 + ε_high).
-    surrogate: the policy term, per token:
-               "clip"  min(r Â, clip(r, 1-ε, 1+ε_high) Â) (eq. 3, PPO's clipped surrogate);
-               "cispo" sg(min(r, 1+ε_high)) Â log π_θ (MiniMax-M1, arXiv 2506.13585: the weight is
-                       clipped and stopped, so every token keeps a gradient; ε is unused, as the
-                       paper ran it: no lower bound);
-               "sapo"  σ(τ (r - 1)) · 4/τ · Â, τ = sapo_tau_pos where Â > 0, else sapo_tau_neg
-                       (SAPO, arXiv 2511.20347: a soft gate for the hard clip; ε, ε_high unused).
-               delta applies to "clip" only.
-    entropy, top_entropy: [N, T] H(π_θ(· | q, o_<t)) and ρ: the policy term keeps only the tokens
-               whose entropy is in the top ρ of this call's unmasked tokens (high_entropy_mask;
-               Wang et al., arXiv 2506.01939); ρ = 1: off. The KL term keeps every token.
-    off_policy_threshold: DeepSeek-V3.2's off-policy sequence mask: a completion with Â < 0 whose
-               mean log(π_behavior / π_θ) exceeds it gets no policy term (off_policy_mask);
-               None: off.
-    behavior_logps: [N, T] log-probs of the policy the tokens were drawn from, for that mask
-               (the sampler's, where kept); default: π_old's.
-    weights:   [N, T] or [N, 1] importance weights π_old / π_sampler that multiply each token's
-               policy term (sampler_weights: the sampler-trainer mismatch correction); None: 1.
+    surrogate: None: eq. 3's policy term min(r Â, clip(r, 1-ε, 1+ε_high) Â). Or a function
+               (ratio [N, T], Â [N, 1] or [N, T], logps) -> (its per-token policy term [N, T],
+               bool [N, T]: where a clip is active) in its place: cispo_objective or
+               sapo_objective, their settings bound with functools.partial. delta is the clip's.
+    weights:   [N, T] or [N, 1], multiplying each token's policy term (not its KL); None: 1. The
+               options that keep or weigh tokens, multiplied together: high_entropy_mask,
+               off_policy_mask, sampler_weights.
     stats: optional dict, filled with detached sums over this batch's unmasked tokens: "tokens",
-               "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's and CISPO's cap
-               included; 0 for SAPO, which has no hard clip), "ratio" (Σ r), "entropy_dropped"
-               (tokens out of the top ρ), "sequences", "off_policy" (completions the sequence mask
-               dropped).
+               "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
     """
     if loss_type not in ("grpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
-    if surrogate not in SURROGATES:
-        raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
-    if delta is not None and surrogate != "clip":
-        raise ValueError(
-            f"delta (the dual clip) applies to surrogate='clip' only, got {surrogate!r}"
-        )
-    if not 0 <= top_entropy <= 1:
-        raise ValueError(f"top_entropy must be in [0, 1], got {top_entropy}")
-    if top_entropy < 1 and entropy is None:
-        raise ValueError("top_entropy < 1 needs the per-token entropy")
+    if delta is not None and surrogate is not None:
+        raise ValueError("delta (the dual clip) applies to eq. 3's clip only (surrogate=None)")
     if ref_logps is None and beta != 0:
         raise ValueError("ref_logps is None but beta != 0: the KL term needs reference log-probs")
     # Each term of eq. 3 on its own line, its symbols aligned beside it.
@@ -138,24 +104,17 @@ def grpo_loss(
         log_ratio = torch.where(m, seq.expand_as(log_ratio), 0.0)
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))                    # r_{i,t} = π_θ / π_old
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    if surrogate == "clip":
+    if surrogate is None:
         clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)       # clip(r, 1-ε, 1+ε_high)
-        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # r, or min(r, δ) with the dual clip
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # r, or min(r, δ): dual clip
         objective = torch.min(unclipped * adv, clipped_ratio * adv)         # min(r Â, clip(r) Â)
-    elif surrogate == "cispo":
-        weight = torch.clamp(ratio, max=1 + eps_high).detach()              # CISPO: sg(r̂), r̂ = min(r, 1+ε_high)
-        objective = weight * adv * logps                                     # sg(r̂) Â log π_θ
-    else:
-        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)              # SAPO: τ+ where Â > 0, else τ-
-        objective = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv         # σ(τ (r - 1)) · 4/τ · Â
-    if off_policy_threshold is not None:                                     # DeepSeek-V3.2: Â < 0 and far off-policy: 0
-        behavior = old if behavior_logps is None else behavior_logps
-        keep = off_policy_mask(advantages, logps, behavior, m, off_policy_threshold)
-        objective = objective * keep
-    if top_entropy < 1:                                                      # only the top-ρ tokens by entropy
-        high = high_entropy_mask(entropy, m, top_entropy)
-        objective = objective * high
-    if weights is not None:                                                  # × π_old / π_sampler (mismatch correction)
+        # where a clip is active (stats["clipped"]): the min is clip(r) Â, or δ Â
+        clipped = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))
+        if delta is not None:
+            clipped |= (ratio > delta) & (adv < 0)
+    else:                                                                    # CISPO's or SAPO's term in its place
+        objective, clipped = surrogate(ratio, adv, logps)
+    if weights is not None:                                                  # × the masks and importance weights
         objective = objective * weights
     if beta != 0:
         log_ref_ratio = torch.where(m, ref_logps - logps, 0.0).clamp(max=MAX_LOG_RATIO)  # log(π_ref / π_θ)
@@ -169,23 +128,9 @@ def grpo_loss(
     # fmt: on
     if stats is not None:
         with torch.no_grad():
-            if surrogate == "clip":  # the clipped term is the smaller one
-                clip_active = (ratio > 1 + eps_high) & (adv > 0)
-                clip_active |= (ratio < 1 - epsilon) & (adv < 0)
-                if delta is not None:
-                    clip_active |= (ratio > delta) & (adv < 0)
-            elif surrogate == "cispo":
-                clip_active = ratio > 1 + eps_high
-            else:
-                clip_active = torch.zeros_like(m)
             stats["tokens"] = m.sum().item()
-            stats["sequences"] = (m.sum(1) > 0).sum().item()
-            stats["entropy_dropped"] = (m & ~high).sum().item() if top_entropy < 1 else 0
-            stats["off_policy"] = (
-                ((keep == 0) & m).any(1).sum().item() if off_policy_threshold is not None else 0
-            )
             stats["kl"] = kl.masked_fill(~m, 0).sum().item() if beta != 0 else 0.0
-            stats["clipped"] = (clip_active & m).sum().item()
+            stats["clipped"] = (clipped & m).sum().item()
             stats["ratio"] = ratio.masked_fill(~m, 0).sum().item()
     denominator = (
         loss_denominator(mask, loss_type, max_tokens) if normalizer is None else normalizer
@@ -289,30 +234,79 @@ def completion_mask(completion_ids, eos_token_id):
     return (eos_before == 0).long()
 
 
+# --------------------------------------------------------------------------------------------------
+# Beyond eq. 3: each a function of its own, composed around grpo_loss by its caller. CISPO's and
+# SAPO's policy terms go in grpo_loss's `surrogate` (functools.partial binds their settings); the
+# masks and importance weights multiply each token's policy term (grpo_loss's `weights`: their
+# product). Every one is off in the paper's GRPO.
+
+
+def cispo_objective(ratio, advantages, logps, epsilon_high=0.2):
+    """CISPO's per-token policy term, in place of eq. 3's min (MiniMax-M1, arXiv 2506.13585):
+
+      J_t = sg(r̂_t) Â_t log π_θ(o_t | q, o_<t),   r̂_t = min(r_t, 1 + ε_high)
+
+    The importance weight is clipped and its gradient stopped (sg), so every token keeps a gradient
+    r̂ Â, where eq. 3's clip zeroes the clipped tokens'. No lower bound (ε unused), as the paper ran
+    it. ratio [N, T] (grpo_loss's r, token or sequence level), advantages [N, 1] or [N, T], logps
+    [N, T] with grad. Returns (J_t [N, T], bool [N, T]: where the cap binds). E.g. r = 1.5, Â = 1,
+    ε_high = 0.2: J = 1.2 ln 1.5 = 0.486558, dJ/dlog π = 1.2."""
+    weight = torch.clamp(ratio, max=1 + epsilon_high).detach()  # sg(r̂), r̂ = min(r, 1 + ε_high)
+    return weight * advantages * logps, ratio > 1 + epsilon_high  # sg(r̂) Â log π_θ
+
+
+def sapo_objective(ratio, advantages, logps=None, tau_pos=1.0, tau_neg=1.05):
+    """SAPO's per-token policy term, in place of eq. 3's min (arXiv 2511.20347): a soft gate for
+    the hard clip,
+
+      J_t = σ(τ (r_t - 1)) · 4/τ · Â_t,   τ = τ+ where Â_t > 0, else τ-
+      dJ_t/dlog π_θ = 4 r_t σ (1 - σ) Â_t   (Â_t at r = 1, as eq. 3's; damped, never cut, far off)
+
+    ratio [N, T], advantages [N, 1] or [N, T]; logps unused (grpo_loss's surrogate signature).
+    Returns (J_t [N, T], bool [N, T] all False: no clip is ever active). E.g. r = 1.5, Â = 1:
+    J = 4 σ(0.5) = 2.489837, dJ/dlog π = 1.410022."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # τ+ where Â > 0, else τ-
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages  # σ(τ (r - 1)) · 4/τ · Â
+    return gate, torch.zeros_like(ratio, dtype=torch.bool)
+
+
 def high_entropy_mask(entropy, mask, rho):
-    """[N, T] bool: the unmasked tokens whose entropy is at least the (1 - ρ) quantile of the
-    unmasked tokens' entropies ("Beyond the 80/20 Rule", Wang et al., arXiv 2506.01939: the policy
-    gradient through the top ρ = 0.2 of tokens by entropy). The quantile interpolates linearly
-    (torch.quantile), as TRL's top_entropy_quantile does; a token tied with the threshold is kept,
-    so ties can keep more than a share ρ. ρ = 0 keeps the highest-entropy tokens only, ρ = 1 all."""
+    """The top-ρ tokens by entropy ("Beyond the 80/20 Rule", Wang et al., arXiv 2506.01939: the
+    policy gradient through the top ρ = 0.2 of tokens by entropy):
+
+      M_t = 1[H_t ≥ q_{1-ρ}],   q_{1-ρ}: the (1 - ρ) quantile of the unmasked tokens' entropies
+
+    entropy [N, T] H(π_θ(· | q, o_<t)), mask [N, T]; returns M [N, T] bool (masked tokens False).
+    The quantile interpolates linearly (torch.quantile), as TRL's top_entropy_quantile does; a
+    token tied with the threshold is kept, so ties can keep more than a share ρ. ρ = 0 keeps the
+    highest-entropy tokens only, ρ = 1 all. As grpo_loss's weights it drops the policy term of the
+    other tokens, not their KL. E.g. entropies (0.1, 0.5, 0.5, 0.5, 0.9), ρ = 0.2: q = 0.58, the
+    last token alone."""
+    if not 0 <= rho <= 1:
+        raise ValueError(f"rho must be in [0, 1], got {rho}")
     m = mask.bool()
     values = entropy[m].float()
     if values.numel() == 0:
         return m
-    threshold = torch.quantile(values, 1 - rho)
-    return (entropy >= threshold) & m
+    threshold = torch.quantile(values, 1 - rho)  # q_{1-ρ}
+    return (entropy >= threshold) & m  # M_t = 1[H_t ≥ q_{1-ρ}]
 
 
 def off_policy_mask(advantages, logps, behavior_logps, mask, threshold):
-    """[N, 1] (or [N, T] with per-token advantages) 0/1: DeepSeek-V3.2's off-policy sequence mask
-    (arXiv 2512.02556, eq. 9). A completion is dropped where its advantage is negative and its
-    mean log(π_behavior / π_θ) over its tokens (an estimate of KL(π_behavior || π_θ) from its own
-    samples) exceeds the threshold: a negative update from samples the policy has moved away from
-    is the one that destabilizes training. Kept (1) otherwise. No gradient flows through it."""
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9):
+
+      M_i = 0 if Â_i < 0 and 1/|o_i| Σ_t log(π_behavior(o_t) / π_θ(o_t)) > δ, else 1
+
+    The mean over completion i's tokens estimates KL(π_behavior || π_θ) from its own samples: a
+    negative update from samples the policy has moved away from is the one that destabilizes
+    training. π_behavior: the policy the tokens were drawn from (the sampler's log-probs where
+    kept, else π_old's). Returns M [N, 1] (or [N, T] with per-token advantages) 0/1 in logps'
+    dtype, no gradient: grpo_loss's weights. E.g. gaps (0.4, 0.8): mean 0.6; Â = -1 and δ = 0.5:
+    0; δ = 0.6 or Â = +1: 1."""
     m = mask.bool()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    gap = torch.where(m, behavior_logps - logps.detach(), 0.0)
-    kl = gap.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
+    gap = torch.where(m, behavior_logps - logps.detach(), 0.0)  # log π_behavior / π_θ
+    kl = gap.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)  # [N, 1]: its mean
     return ((adv >= 0) | (kl <= threshold)).to(logps.dtype)
 
 
@@ -327,7 +321,8 @@ def sampler_weights(old_logps, sampler_logps, mask, mode="token_truncate", low=0
       sequence_truncate  w_i = clamp(Π_t π_old/π_sampler, low, high), one per completion
       sequence_mask      w_i = Π_t π_old/π_sampler, or 0 outside [low, high]
     old_logps, sampler_logps, mask [N, T]; the masked tokens count as ratio 1. Returns
-    (weights [N, T] or [N, 1], no grad; [same] bool: where they were truncated or masked)."""
+    (weights [N, T] or [N, 1], no grad: grpo_loss's weights; [same] bool: where they were
+    truncated or masked). E.g. token ratios (0.5, 1, 5), token_truncate to [0, 3]: (0.5, 1, 3)."""
     if mode not in SAMPLER_MODES:
         raise ValueError(f"mode must be one of {SAMPLER_MODES}, got {mode!r}")
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Tests: every worked example of the GRPO math in grpo.py: the surrogate, clipping, dual clip, k3,
 the first step, advantages, aggregation, GSPO, process supervision, completion_mask and degenerate
-inputs of the loss.
+inputs of the loss; then the functions beyond eq. 3 (CISPO, SAPO, the entropy and off-policy masks,
+the sampler weights), alone and composed with grpo_loss as trainer.py composes them.
 
 Self-contained: it needs torch, pytest and grpo.py alone, so the pair can be copied into another
 project and run there (python -m pytest -q test_grpo.py). The rest of the suite is in tests/ (python
@@ -9,12 +10,14 @@ with the exact decimals to about 1e-6 relative, so worked examples use abs=1e-6 
 themselves have 6 places).
 """
 
+import functools
 import math
 
 import pytest
 import torch
 
 from grpo import (
+    cispo_objective,
     completion_mask,
     group_advantages,
     grpo_loss,
@@ -24,6 +27,7 @@ from grpo import (
     process_advantages,
     sampler_mismatch,
     sampler_weights,
+    sapo_objective,
 )
 
 TOL = 1e-6  # see the docstring
@@ -502,8 +506,23 @@ def test_a_token_far_off_policy_or_far_from_the_reference_keeps_loss_and_gradien
     ],
 )
 def test_cispo_clips_the_weight_and_keeps_the_gradient(ratio, advantage, epsilon_high, expected):
-    got = one_token_objective(ratio, advantage, surrogate="cispo", epsilon_high=epsilon_high)
-    assert got == pytest.approx(expected, abs=TOL)
+    # composed as the trainer composes it: grpo_loss's surrogate, ε_high bound (default ε = 0.2)
+    cispo = functools.partial(cispo_objective, epsilon_high=epsilon_high or 0.2)
+    assert one_token_objective(ratio, advantage, surrogate=cispo) == pytest.approx(
+        expected, abs=TOL
+    )
+
+
+def test_cispo_objective_alone_caps_the_weight_and_counts_the_capped_tokens():
+    # r = (1.5, 1.1, 0.5), Â = 1, ε_high = 0.2: J_t = (1.2 ln 1.5, 1.1 ln 1.1, 0.5 ln 0.5), the
+    # gradient sg(r̂) Â = (1.2, 1.1, 0.5); the first token alone is capped
+    ratio = torch.tensor([[1.5, 1.1, 0.5]], dtype=torch.float64)
+    logps = torch.log(ratio).requires_grad_()
+    term, capped = cispo_objective(ratio, torch.ones(1, 1, dtype=torch.float64), logps)
+    assert term[0].tolist() == pytest.approx([0.486558, 0.104841, -0.346574], abs=TOL)
+    assert capped.tolist() == [[True, False, False]]
+    term.sum().backward()
+    assert logps.grad[0].tolist() == pytest.approx([1.2, 1.1, 0.5], abs=TOL)
 
 
 # ---------------------------------------------------------------- SAPO: J = σ(τ (r - 1)) 4/τ Â,
@@ -520,8 +539,20 @@ def test_cispo_clips_the_weight_and_keeps_the_gradient(ratio, advantage, epsilon
     ],
 )
 def test_sapo_soft_gate_values_and_gradients(ratio, advantage, expected):
-    got = one_token_objective(ratio, advantage, surrogate="sapo")
+    got = one_token_objective(ratio, advantage, surrogate=sapo_objective)
     assert got == pytest.approx(expected, abs=TOL)
+
+
+def test_sapo_objective_alone_picks_tau_by_the_sign_of_the_advantage_and_clips_nothing():
+    # r = 1.5: 4 σ(0.5) = 2.489837 with Â = 1 (τ+ = 1); with Â = -1 (τ- = 1.05) -4 σ(0.525) / 1.05
+    # = -2.393585; τ+ = 2 instead: 4 σ(1) / 2 = 1.462117
+    ratio = torch.full((2, 1), 1.5, dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    term, clipped = sapo_objective(ratio, adv)
+    assert term[:, 0].tolist() == pytest.approx([2.489837, -2.393585], abs=TOL)
+    assert not clipped.any() and clipped.shape == (2, 1)
+    term, _ = sapo_objective(ratio, adv, tau_pos=2.0)
+    assert term[0, 0].item() == pytest.approx(1.462117, abs=TOL)
 
 
 def two_completions(ratios, advantages, lengths, **kwargs):
@@ -546,7 +577,11 @@ def two_completions(ratios, advantages, lengths, **kwargs):
 def test_cispo_batch_with_capped_and_free_tokens_under_dapo_aggregation():
     # Tokens (1.5, 1.1, 0.5) with Â = 1, then (0.5, 1.0) with Â = -1; cap 1.2; DAPO divides by 5.
     value, grad = two_completions(
-        [[1.5, 1.1, 0.5], [0.5, 1.0]], [1.0, -1.0], [3, 2], surrogate="cispo", loss_type="dapo"
+        [[1.5, 1.1, 0.5], [0.5, 1.0]],
+        [1.0, -1.0],
+        [3, 2],
+        surrogate=cispo_objective,
+        loss_type="dapo",
     )
     per_token = [1.2 * math.log(1.5), 1.1 * math.log(1.1), 0.5 * math.log(0.5)]
     per_token += [-0.5 * math.log(0.5), -1.0 * math.log(1.0)]
@@ -561,7 +596,7 @@ def test_sapo_batch_under_grpo_aggregation_with_kl():
     # k3 at x = -log r, untouched by the gate.
     ref = torch.zeros(2, 2, dtype=torch.float64)
     value, grad = two_completions(
-        [[1.5, 1.0], [0.5]], [1.0, -1.0], [2, 1], surrogate="sapo", beta=0.1, ref=ref
+        [[1.5, 1.0], [0.5]], [1.0, -1.0], [2, 1], surrogate=sapo_objective, beta=0.1, ref=ref
     )
 
     def k3(r):
@@ -581,11 +616,9 @@ def test_sapo_batch_under_grpo_aggregation_with_kl():
     assert torch.allclose(grad, expected / 2, atol=TOL)
 
 
-def test_surrogate_and_delta_are_checked():
-    with pytest.raises(ValueError, match="surrogate"):
-        one_token_objective(1.0, 1.0, surrogate="ppo")
+def test_delta_is_the_clips_and_refused_with_another_surrogate():
     with pytest.raises(ValueError, match="delta"):
-        one_token_objective(1.0, 1.0, surrogate="cispo", delta=2.0)
+        one_token_objective(1.0, 1.0, surrogate=cispo_objective, delta=2.0)
 
 
 # ---------------------------------------------------------------- the top-ρ tokens by entropy
@@ -612,21 +645,23 @@ def test_high_entropy_mask_ignores_masked_tokens_forced_tool_tokens_included():
 
 def test_top_entropy_drops_the_policy_term_of_low_entropy_tokens_not_their_kl():
     # Ratios (1.1, 1.1) with Â = 1, entropies (0.2, 0.9), ρ = 0.5: the first token loses its
-    # policy term r Â = 1.1 but keeps its KL; π_ref = π_old, β = 0.1.
+    # policy term r Â = 1.1 but keeps its KL; π_ref = π_old, β = 0.1. The mask is grpo_loss's
+    # weights, as the trainer composes it.
     ref = torch.zeros(1, 2, dtype=torch.float64)
     entropy = torch.tensor([[0.2, 0.9]], dtype=torch.float64)
+    high = high_entropy_mask(entropy, torch.ones(1, 2), 0.5)  # the 0.5 quantile: 0.55
     stats = {}
     value, grad = two_completions(
-        [[1.1, 1.1]], [1.0], [2], beta=0.1, ref=ref, entropy=entropy, top_entropy=0.5, stats=stats
+        [[1.1, 1.1]], [1.0], [2], beta=0.1, ref=ref, weights=high, stats=stats
     )
     k3 = 1 / 1.1 + math.log(1.1) - 1
     assert value == pytest.approx((0.0 - 0.1 * k3 + 1.1 - 0.1 * k3) / 2, abs=TOL)
     dk3 = 0.1 * (1 - 1 / 1.1)
     expected = torch.tensor([[-dk3 / 2, (1.1 - dk3) / 2]], dtype=torch.float64)
     assert torch.allclose(grad, expected, atol=TOL)
-    assert stats["entropy_dropped"] == 1 and stats["tokens"] == 2
-    with pytest.raises(ValueError, match="entropy"):
-        one_token_objective(1.0, 1.0, top_entropy=0.5)
+    assert high.tolist() == [[False, True]] and stats["tokens"] == 2
+    with pytest.raises(ValueError, match="rho"):
+        high_entropy_mask(entropy, torch.ones(1, 2), 1.5)
 
 
 # ---------------------------------------------------------------- the off-policy sequence mask
@@ -645,25 +680,21 @@ def test_off_policy_mask_drops_a_negative_advantage_far_off_policy_keeps_a_posit
     assert keep.tolist() == [[1.0], [1.0]]
 
 
-def test_off_policy_threshold_in_the_loss_uses_pi_old_unless_behavior_log_probs_are_given():
+def test_off_policy_mask_in_the_loss_uses_pi_old_unless_the_behavior_log_probs_are_given():
     # Ratios 0.5 (log π_θ - log π_old = -0.693 per token: KL estimate 0.693) with Â = -1, and the
     # same with Â = +1. δ = 0.5: the negative one is dropped, J = (0.5 + 0) / 2 with ε = 10.
-    stats = {}
-    value, grad = two_completions(
-        [[0.5], [0.5]], [1.0, -1.0], [1, 1], epsilon=10.0, off_policy_threshold=0.5, stats=stats
-    )
-    assert value == pytest.approx(0.25, abs=TOL) and stats["off_policy"] == 1
+    logps = torch.log(torch.full((2, 1), 0.5, dtype=torch.float64))
+    old, mask = torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    keep = off_policy_mask(advantages, logps, old, mask, 0.5)  # π_behavior = π_old
+    assert keep.tolist() == [[1.0], [0.0]]
+    value, grad = two_completions([[0.5], [0.5]], [1.0, -1.0], [1, 1], epsilon=10.0, weights=keep)
+    assert value == pytest.approx(0.25, abs=TOL)
     assert grad[1, 0].item() == 0.0 and grad[0, 0].item() == pytest.approx(0.25, abs=TOL)
     # behavior log-probs equal to π_θ's: no gap, nothing dropped
-    value, _ = two_completions(
-        [[0.5], [0.5]],
-        [1.0, -1.0],
-        [1, 1],
-        epsilon=10.0,
-        off_policy_threshold=0.5,
-        behavior_logps=torch.log(torch.full((2, 1), 0.5, dtype=torch.float64)),
-    )
-    assert value == pytest.approx((0.5 - 0.5) / 2, abs=TOL)
+    keep = off_policy_mask(advantages, logps, logps, mask, 0.5)
+    value, _ = two_completions([[0.5], [0.5]], [1.0, -1.0], [1, 1], epsilon=10.0, weights=keep)
+    assert keep.tolist() == [[1.0], [1.0]] and value == pytest.approx((0.5 - 0.5) / 2, abs=TOL)
 
 
 # ---------------------------------------------------------------- the sampler correction
@@ -737,3 +768,29 @@ def test_sampler_mismatch_k3_and_largest_ratio():
     assert kl == pytest.approx(0.096574, abs=TOL) and largest == pytest.approx(2.0, abs=1e-6)
     assert sampler_mismatch(trainer, trainer, torch.ones(1, 3)) == (0.0, 1.0)
     assert sampler_mismatch(trainer, sampler, torch.zeros(1, 3)) is None
+
+
+# ---------------------------------------------------------------- composed: masks x weights
+def test_off_policy_mask_entropy_mask_and_sampler_weights_multiply_the_policy_term():
+    # As the trainer composes them: grpo_loss's weights = off-policy mask x entropy mask x sampler
+    # weights. Completion 0: ratios (1.1, 1.1), Â = 1, entropies (0.2, 0.9), sampler weights
+    # (2, 0.5); completion 1: ratios (0.5, 0.5), Â = -1, entropies (0.8, 0.7), weights (1, 1).
+    # Off-policy (π_behavior = π_old, δ = 0.5): completion 1's mean gap ln 2 > 0.5, Â < 0: dropped.
+    # Entropy, ρ = 0.5: the median of (0.2, 0.9, 0.8, 0.7) is 0.75: 0.9 and 0.8 stay. Product:
+    # ((0, 0.5), (0, 0)); J = ((0 + 0.5 · 1.1) / 2 + 0) / 2 = 0.1375, ε = 10, β = 0.
+    ratios = torch.tensor([[1.1, 1.1], [0.5, 0.5]], dtype=torch.float64)
+    logps, old, mask = torch.log(ratios), torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    entropy = torch.tensor([[0.2, 0.9], [0.8, 0.7]], dtype=torch.float64)
+    sampler = -torch.log(torch.tensor([[2.0, 0.5], [1.0, 1.0]], dtype=torch.float64))
+    keep = off_policy_mask(advantages, logps, old, mask, 0.5)
+    high = high_entropy_mask(entropy, mask, 0.5)
+    w, _ = sampler_weights(old, sampler, mask, "token_truncate", 0.0, 3.0)
+    weights = keep * high * w
+    assert weights.flatten().tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0], abs=1e-12)
+    value, grad = two_completions(
+        ratios.tolist(), advantages.tolist(), [2, 2], epsilon=10.0, weights=weights
+    )
+    assert value == pytest.approx(0.1375, abs=TOL)
+    expected = torch.tensor([[0.0, 0.5 * 1.1 / 4], [0.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(grad, expected, atol=TOL)

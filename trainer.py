@@ -38,6 +38,9 @@ from support.phases import NO_PHASES
 from support.signals import STOPS, DevNullWhenReaderGone
 from support.worker import Worker
 
+# the sums policy_weights adds to grpo_loss's (grpo.STATS)
+OPTION_STATS = ("entropy_dropped", "sequences", "off_policy")
+
 
 def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     """Algorithm 1 with one outer iteration: the rewards are fixed functions, so line 12 (train the
@@ -115,7 +118,8 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Eq. 3's settings: grpo.grpo_loss's keywords."""
+    """Eq. 3's settings (grpo.grpo_loss's keywords) and the options beyond it, which
+    micro_batch_loss composes around grpo_loss (policy_term, policy_weights)."""
 
     epsilon: float
     epsilon_high: float | None  # DAPO's clip-higher; None: epsilon
@@ -621,7 +625,7 @@ def policy_update(
     normalizer = distributed.all_sum([denominator])[0]
     logprobs = ddp or functools.partial(sampling.token_logprobs, model)
     lr = scheduler.get_last_lr()[0]
-    totals = dict.fromkeys(("loss", "entropy", "corrected") + grpo.STATS, 0.0)
+    totals = dict.fromkeys(("loss", "entropy", "corrected") + grpo.STATS + OPTION_STATS, 0.0)
     logps_before = torch.zeros(mask.shape, device=mask.device)  # [N, C]
     T, G = rollouts.temperature, rollouts.group_size
     with phases.phase("update"):
@@ -668,19 +672,66 @@ def micro_batch_loss(
 ):  # fmt: skip
     """grpo.grpo_loss on the micro-batch `rows` (its first `keep` columns): π_θ's log-probs and
     entropies [n, keep], with the sampler's log-probs where the decode kept them (the off-policy
-    mask's π_behavior; sampler_correction's π_sampler). Returns (loss, its statistics' sums)."""
+    mask's π_behavior; sampler_correction's π_sampler). The options beyond eq. 3 are composed
+    around it: CISPO's or SAPO's policy term in place of the clip (policy_term), the masks and the
+    sampler correction's weights multiplying each token's policy term (policy_weights). Returns
+    (loss, its statistics' sums)."""
     mask = rollouts.completion_mask[rows, :keep]
     old, ref, behavior = (
         None if x is None else x[rows, :keep]
         for x in (old_logps, ref_logps, rollouts.sampler_logps)
     )
-    weights, corrected = sampler_correction(correction, logps, old, behavior, mask)
-    stats = {"corrected": corrected}
+    adv, o = advantages[rows], objective
+    weights, stats = policy_weights(o, correction, logps, entropy, old, behavior, adv, mask)
     loss = grpo.grpo_loss(
-        logps, old, ref, advantages[rows], mask, normalizer=normalizer, entropy=entropy,
-        behavior_logps=behavior, weights=weights, stats=stats, **dataclasses.asdict(objective),
+        logps, old, ref, adv, mask, epsilon=o.epsilon, epsilon_high=o.epsilon_high,
+        beta=o.beta, loss_type=o.loss_type, max_tokens=o.max_tokens, normalizer=normalizer,
+        ratio_level=o.ratio_level, delta=o.delta, surrogate=policy_term(o), weights=weights,
+        stats=stats,
     )  # fmt: skip
     return loss, stats
+
+
+def policy_term(objective):
+    """grpo_loss's surrogate for --surrogate: None for eq. 3's clip, else CISPO's or SAPO's
+    per-token term with its settings bound (ε_high: --epsilon-high, or --epsilon)."""
+    if objective.surrogate == "cispo":
+        eps_high = objective.epsilon if objective.epsilon_high is None else objective.epsilon_high
+        return functools.partial(grpo.cispo_objective, epsilon_high=eps_high)
+    if objective.surrogate == "sapo":
+        tau = dict(tau_pos=objective.sapo_tau_pos, tau_neg=objective.sapo_tau_neg)
+        return functools.partial(grpo.sapo_objective, **tau)
+    if objective.surrogate != "clip":
+        raise ValueError(f"surrogate must be clip, cispo or sapo, got {objective.surrogate!r}")
+    return None
+
+
+def policy_weights(objective, correction, logps, entropy, old, behavior, advantages, mask):
+    """What multiplies each token's policy term in grpo_loss for one micro-batch: the product of
+    the off-policy sequence mask, the top-ρ entropy mask and the sampler correction's weights, in
+    that order, those that are on (None when none is); and the sums of the statistics they add
+    (completions, completions and tokens dropped, tokens or completions corrected). π_old is
+    π_θ's own log-probs, detached, when old is None (μ = 1, or the first iteration); π_behavior
+    the sampler's where kept, else π_old."""
+    m = mask.bool()
+    stats = dict(sequences=(m.sum(1) > 0).sum().item(), entropy_dropped=0, off_policy=0)
+    factors = []  # the masks and weights that are on
+    if objective.off_policy_threshold is not None:  # DeepSeek-V3.2: Â < 0 and far off-policy: 0
+        pi_old = logps.detach() if old is None else old
+        behavior_logps = pi_old if behavior is None else behavior
+        keep = grpo.off_policy_mask(
+            advantages, logps, behavior_logps, m, objective.off_policy_threshold
+        )
+        stats["off_policy"] = ((keep == 0) & m).any(1).sum().item()
+        factors.append(keep)
+    if objective.top_entropy < 1:  # only the top-ρ tokens by entropy
+        high = grpo.high_entropy_mask(entropy, m, objective.top_entropy)
+        stats["entropy_dropped"] = (m & ~high).sum().item()
+        factors.append(high)
+    weights, stats["corrected"] = sampler_correction(correction, logps, old, behavior, mask)
+    if weights is not None:  # × π_old / π_sampler (the mismatch correction)
+        factors.append(weights)
+    return (functools.reduce(torch.mul, factors) if factors else None), stats
 
 
 def sampler_correction(correction, logps, old, sampler, mask):
