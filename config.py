@@ -28,8 +28,16 @@ def switch(group, name):
     return lambda help: group.add_argument(name, action="store_true", help=help)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors (a value that is not a number, an unknown flag) are one line, exit
+    code 2, as the checks below are: not the usage of every flag first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags).\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="GRPO (DeepSeekMath eq. 3) on GSM8K with a hand-written loop.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -445,6 +453,16 @@ def parse_args(argv=None):
     return args
 
 
+# --reward-memory's range (GiB of address space for the worker process, support/worker.py). At
+# least 1: the worker itself starts in about 32 MiB (Python and the standard library, measured
+# under ulimit -v), but a checker that imports numpy or torch on the CPU maps about 1 GiB (torch
+# 2.x fails to import below it), and address space is not memory (glibc reserves 64 MiB of it per
+# thread's malloc arena): a limit below 1 GiB fails at import time, not on a runaway allocation. At
+# most 2**20 (1 PiB): beyond any machine's memory, and far below what setrlimit takes (2**63
+# bytes); for no limit, 0. Either way never above the process's own hard limit (the worker takes
+# that one, and says so).
+MIN_REWARD_MEMORY_GB, MAX_REWARD_MEMORY_GB = 1.0, float(2**20)
+
 # The real-valued flags and the values each takes (never NaN or inf: they pass every "<= 0" test).
 NUMBER_RANGES = [
     ("lr", lambda v: v >= 0, ">= 0"),
@@ -466,7 +484,12 @@ NUMBER_RANGES = [
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
-    ("reward_memory", lambda v: v >= 0, ">= 0 GiB (0: no limit)"),
+    (
+        "reward_memory",
+        lambda v: v == 0 or MIN_REWARD_MEMORY_GB <= v <= MAX_REWARD_MEMORY_GB,
+        f"of GiB in [{MIN_REWARD_MEMORY_GB:g}, {MAX_REWARD_MEMORY_GB:.0f}] (1 PiB), or 0 for no "
+        "limit",
+    ),
     ("tool_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]

@@ -38,8 +38,11 @@ import time
 
 # --reward-memory's default, in GiB of address space: generous for a checker that imports numpy or
 # torch on the CPU (torch alone maps a few GiB), low enough that a runaway allocation fails in the
-# worker, not in the machine.
+# worker, not in the machine. Never above the trainer's own hard limit (memory_limit).
 DEFAULT_MEMORY_GB = 32.0
+
+# The notes already said in this process (memory_limit's): once each, not once per worker.
+SAID = set()
 
 # After SIGTERM, how long the child has to exit before SIGKILL.
 TERM_GRACE_S = 2.0
@@ -119,7 +122,7 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "support.worker", str(to_child_r), str(from_child_w)]
-            + [str(self.memory_gb)],
+            + [str(memory_limit(self.memory_gb))],
             pass_fds=(to_child_r, from_child_w),
             start_new_session=True,  # a Ctrl-C at the terminal is the trainer's to handle
             env=env,
@@ -198,6 +201,33 @@ class Worker:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def memory_limit(memory_gb):
+    """The worker's address-space limit in bytes for --reward-memory `memory_gb` (0: none, 0
+    returned): never above this process's own hard RLIMIT_AS, which the worker inherits and could
+    not raise (a cluster's ulimit -v). Where that is lower than asked, the worker gets it, said
+    once on stdout."""
+    if memory_gb <= 0:
+        return 0
+    asked = int(memory_gb * 2**30)
+    try:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    except (ImportError, OSError, ValueError):  # no resource module (not POSIX)
+        return asked
+    if hard == resource.RLIM_INFINITY or hard >= asked:
+        return asked
+    note = (
+        f"--reward-memory {memory_gb:g} GiB is above this process's hard address-space limit "
+        f"({hard / 2**30:.2f} GiB: ulimit -v, or the cluster's): the worker process gets "
+        f"{hard / 2**30:.2f} GiB"
+    )
+    if note not in SAID and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
+    SAID.add(note)
+    return hard
 
 
 class Remote:
@@ -296,11 +326,13 @@ def serve(inbox, outbox):
 
 
 def main():
-    inbox_fd, outbox_fd, memory_gb = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    if memory_gb > 0:
+    inbox_fd, outbox_fd, limit = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    if limit > 0:
         import resource
 
-        limit = int(memory_gb * 2**30)
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        if hard != resource.RLIM_INFINITY:  # never above the inherited hard limit (memory_limit)
+            limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer ends the worker
     with os.fdopen(inbox_fd, "rb") as inbox, os.fdopen(outbox_fd, "wb") as outbox:
