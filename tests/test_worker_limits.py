@@ -6,14 +6,17 @@ pipe open (a death seen as a hang) nor outlives the worker's end."""
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 import config
 from helpers import CPU, ROOT
+from support import worker
 from support.errors import UserError
 
 # A hard address-space limit below --reward-memory's default of 32 GiB, as `ulimit -v 16000000`
@@ -134,3 +137,131 @@ def test_the_demo_trains_under_a_lowered_hard_limit_with_each_kind_of_worker(tmp
     ]
     assert (tmp_path / "reward-limit").read_text() == f"({LOWERED}, {LOWERED})"
     assert "step 2/2" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker's end.
+
+FORKS = """
+import os, signal, time
+
+def write_pid(directory, name, pid):
+    with open(os.path.join(directory, name + ".tmp"), "w") as f:
+        f.write(str(pid))
+    os.rename(os.path.join(directory, name + ".tmp"), os.path.join(directory, name))
+
+def forked_child(directory):
+    # a child of the tool, holding the worker's pipes as any fork does; its pid in a file
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(600)
+        os._exit(0)
+    write_pid(directory, "grandchild.pid", pid)
+
+def hangs(directory):
+    # the worker's pid (the marker that the tool runs), then a hang deaf to SIGTERM
+    forked_child(directory)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    write_pid(directory, "worker.pid", os.getpid())
+    while True:
+        time.sleep(1)
+
+def dies(directory):
+    forked_child(directory)
+    os._exit(3)
+"""
+
+
+def gone(pid):
+    """Whether process `pid` has ended (a zombie awaiting its reaper counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(condition, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def clean_up(directory):
+    """Whatever a failed test left: the worker's process group (it leads its own), the tool's
+    child."""
+    for name, kill in (("worker.pid", os.killpg), ("grandchild.pid", os.kill)):
+        if (directory / name).exists():
+            try:
+                kill(int((directory / name).read_text()), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+
+
+@needs_proc
+def test_sigkill_of_the_trainer_during_a_hung_tool_ends_the_worker(tmp_path):
+    (tmp_path / "forks.py").write_text(FORKS)
+    trainer_like = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os\nfrom support.worker import Worker\n"
+            "fn = Worker(0).load('forks:hangs', '--tool', os.getcwd())\n"
+            "fn.call((os.getcwd(),), {}, 0)\n",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    try:
+        # the marker: the tool is running (and hung) in the worker
+        assert wait_until(lambda: (tmp_path / "worker.pid").exists(), 60)
+        pid = int((tmp_path / "worker.pid").read_text())
+        trainer_like.kill()
+        trainer_like.wait()
+        assert wait_until(lambda: gone(pid), 10), "the worker outlived the trainer's SIGKILL"
+    finally:
+        trainer_like.kill()
+        clean_up(tmp_path)
+
+
+@needs_proc
+def test_a_tool_that_forks_then_dies_is_named_at_once_and_its_child_ends_with_the_worker(
+    tmp_path,
+):
+    # the forked child keeps the worker's pipe open: end-of-file never comes, and the wait had no
+    # end (no time limit) or named a timeout; now the worker's death is seen and named
+    (tmp_path / "forks.py").write_text(FORKS)
+    w = worker.Worker(0)
+    try:
+        fn = w.load("forks:dies", "--tool", str(tmp_path))
+        start = time.monotonic()
+        with pytest.raises(worker.WorkerFailed, match="it exited with code 3"):
+            fn.call((str(tmp_path),), {}, 0)
+        assert time.monotonic() - start < 10
+        assert w.process is None  # ended, with its process group
+        child = int((tmp_path / "grandchild.pid").read_text())
+        assert wait_until(lambda: gone(child), 10), "the tool's child outlived the worker's end"
+    finally:
+        w.close()
+        clean_up(tmp_path)
+
+
+@needs_proc
+def test_a_hung_tool_past_its_timeout_is_ended_with_the_children_it_forked(tmp_path):
+    (tmp_path / "forks.py").write_text(FORKS)
+    w = worker.Worker(0)
+    try:
+        fn = w.load("forks:hangs", "--tool", str(tmp_path))
+        with pytest.raises(worker.WorkerTimeout, match="did not return within 1 s"):
+            fn.call((str(tmp_path),), {}, 1.0)
+        pid = int((tmp_path / "worker.pid").read_text())
+        child = int((tmp_path / "grandchild.pid").read_text())
+        assert wait_until(lambda: gone(pid) and gone(child), 10)
+    finally:
+        w.close()
+        clean_up(tmp_path)
