@@ -33,8 +33,8 @@ import tools
 from support import checkpoint, decode, demo, distributed, evaluation, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
+from support.reward_loading import check_own_task_rewards, load_reward_fn
 from support.reward_loading import from_flags as rewards_from_flags
-from support.reward_loading import load_reward_fn
 from support.signals import STOPS, DevNullWhenReaderGone
 from support.worker import Worker
 
@@ -846,6 +846,7 @@ def load_task(args, task=None):
     --reward-fn, --reward-model, --overlong-buffer and --reward-weights make them, --extract-answer
     and --response-prefix. A step needing more rows than the data has is refused here."""
     task = task or data.task_from_flags(args)  # GSM8K, or your rows (--prompt-field, ...)
+    check_own_task_rewards(args, task)  # your rows with GSM8K's rewards: only numeric answers
     # the task's own rewards, which --reward-fn replaces
     named = [(r.name, r.fn) for r in task.rewards]
     extract = task.extract_answer

@@ -478,3 +478,30 @@ def test_every_prompt_empty_is_one_paragraph_not_a_traceback(tmp_path, capsys):
     # a batch whose prompts all tokenize to nothing, whatever the rest of the data holds
     with pytest.raises(config.UserError, match=r"every prompt of a batch \(2\) is empty once"):
         sampling.tokenize_prompts(demo.word_tokenizer(demo.WORDS), ["", "\n"], "cpu")
+
+
+def test_your_own_task_without_reward_fn_is_refused_unless_every_answer_is_a_number(
+    tmp_path, capsys
+):
+    # it used to train on GSM8K's rewards silently: 0 for every completion of a task whose
+    # answers are words
+    rows = [{"prompt": f"Capital of {c}?", "answer": a} for c, a in [("FR", "Paris"), ("IT", "7")]]
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = write_rows(tmp_path / "capitals.jsonl", rows * 2)
+    message = refusal(capsys, argv)
+    assert message.startswith(
+        "your own task has no reward function: pass --reward-fn MODULE:FUNCTION"
+    )
+    assert "train row 1 (--data) has the answer 'Paris'" in message
+    assert message.endswith("To score it so anyway, pass --reward-fn correctness,format.")
+    # a reward model, or --reward-fn (a built-in too), is a reward of its own
+    for given in (["--reward-fn", "format"], ["--reward-fn", "correctness,format"]):
+        task = trainer.load_task(config.parse_args(argv + given))
+        assert [r.name for r in task.rewards] == given[1].split(",")
+    # numbers, as GSM8K's are: its rewards, said in one line
+    capsys.readouterr()
+    task = trainer.load_task(config.parse_args(own_task_argv(tmp_path)))
+    assert [r.name for r in task.rewards] == ["correctness", "format"]
+    assert capsys.readouterr().out.startswith(
+        "no --reward-fn: your task is scored with GSM8K's rewards, correctness"
+    )
