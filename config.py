@@ -463,6 +463,15 @@ def parse_args(argv=None):
 # that one, and says so).
 MIN_REWARD_MEMORY_GB, MAX_REWARD_MEMORY_GB = 1.0, float(2**20)
 
+# --sapo-tau-pos/--sapo-tau-neg's lower bound. SAPO's term per token, σ(τ (r - 1)) · 4/τ · Â, is
+# 2/τ · Â plus what depends on the ratio: in float32 (7 significant digits), at τ = 1e-6 the
+# constant 2e6 leaves that part about one digit, and below it none (the logged loss is the
+# constant's rounding); below about 1e-38 τ underflows and the loss and gradients are inf and NaN
+# (measured: gradients exact to 1e-13 down to τ = 1e-30, inf at 1e-40). And a τ that small is a
+# flat gate: the unclipped ratio, not SAPO (--surrogate clip with a wide --epsilon is that).
+SAPO_TAU_MIN = 1e-6
+SAPO_TAU_VALUES = "> 0, at least 1e-6 (below it SAPO's 2/tau swamps float32's digits)"
+
 # The real-valued flags and the values each takes (never NaN or inf: they pass every "<= 0" test).
 NUMBER_RANGES = [
     ("lr", lambda v: v >= 0, ">= 0"),
@@ -475,8 +484,8 @@ NUMBER_RANGES = [
     ("epsilon", lambda v: v > 0, "> 0"),
     ("epsilon_high", lambda v: v > 0, "> 0"),
     ("delta", lambda v: v > 1, "> 1"),
-    ("sapo_tau_pos", lambda v: v > 0, "> 0"),
-    ("sapo_tau_neg", lambda v: v > 0, "> 0"),
+    ("sapo_tau_pos", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
+    ("sapo_tau_neg", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
     ("top_entropy_quantile", lambda v: 0 <= v <= 1, "in [0, 1] (1: off)"),
     ("off_policy_mask", lambda v: v >= 0, ">= 0"),
     ("sampler_ratio_min", lambda v: v >= 0, ">= 0"),
