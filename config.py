@@ -606,7 +606,7 @@ def check_option_flags(args):
             f"--overlong-buffer ({args.overlong_buffer}) must be at most --max-new-tokens "
             f"({args.max_new_tokens})."
         )
-    args.tool = split_commas(args.tool)
+    args.tool = split_commas(args.tool, "--tool")
     if args.tool and (args.num_beams > 1 or args.fsdp):
         raise UserError(
             f"--tool needs sampled completions that the decode loop can write a tool's result "
@@ -678,8 +678,8 @@ def check_task_flags(args):
         ) from None
     if args.reward_weights is not None and not all(map(math.isfinite, args.reward_weights)):
         raise UserError(f"--reward-weights must be finite numbers, got {args.reward_weights}.")
-    args.reward_fn = split_commas(args.reward_fn)
-    args.reward_model = split_commas(args.reward_model)
+    args.reward_fn = split_commas(args.reward_fn, "--reward-fn")
+    args.reward_model = split_commas(args.reward_model, "--reward-model")
     custom = [
         f
         for f in ("data", "eval_data", "prompt_field", "answer_field", "system_prompt")
@@ -736,8 +736,17 @@ def check_launch_flags(args):
         )
 
 
-def split_commas(values):
-    """The values of a repeatable flag, each also split at commas, blanks dropped."""
+def split_commas(values, flag=None):
+    """The values of a repeatable flag, each also split at commas, blanks dropped. A value that
+    names nothing at all (--tool '', an unset shell variable) is a UserError naming `flag`: it
+    was dropped silently, and the run went on without the tool, or with the task's own rewards in
+    place of --reward-fn's."""
+    for value in values:
+        if flag is not None and not value.replace(",", "").strip():
+            raise UserError(
+                f"{flag} {value!r} names nothing: pass a name (e.g. MODULE:FUNCTION), or drop "
+                f"{flag} (an empty shell variable, perhaps)."
+            )
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 

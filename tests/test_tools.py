@@ -311,6 +311,23 @@ def test_flags_that_cannot_work_with_tools_are_refused_before_any_model_loads(ex
         tools.from_flags(args)
 
 
+@pytest.mark.parametrize("flag", ["--tool", "--reward-fn", "--reward-model"])
+@pytest.mark.parametrize("value", ["", " ", ","])
+def test_a_flag_value_that_names_nothing_is_refused_not_dropped(flag, value):
+    # --tool '' was dropped silently: the run trained without its tool (--reward-fn '' with the
+    # task's own rewards)
+    with pytest.raises(UserError) as refused:
+        config.parse_args(["--demo", "--output-dir", "/tmp/x", flag, value])
+    assert str(refused.value) == (
+        f"{flag} {value!r} names nothing: pass a name (e.g. MODULE:FUNCTION), or drop {flag} (an "
+        "empty shell variable, perhaps)."
+    )
+    # a trailing comma after a name is not a value that names nothing
+    assert config.parse_args(
+        ["--demo", "--output-dir", "/tmp/x", "--tool", "calculator,"]
+    ).tool == ["calculator"]
+
+
 def test_rewards_may_ask_for_tool_calls_and_no_data_field_may_take_the_name():
     def uses(completions, answers, tool_calls):
         return [float(n) for n in tool_calls]
