@@ -575,3 +575,19 @@ def test_the_time_limits_a_stop_message_says_to_raise_may_change_on_resume():
     checkpoint.check_same_flags(saved, config.parse_args([*argv, *raised, "--resume"]))
     with pytest.raises(UserError, match="--max-tool-calls was 4, now 5"):
         checkpoint.check_same_flags(saved, config.parse_args([*argv, "--max-tool-calls", "5"]))
+
+
+def test_a_start_that_fails_after_claiming_its_directory_leaves_no_empty_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """A reward function that does not import fails after the output directory is claimed: the
+    runs/<name>/ it created (and runs/ itself) used to stay behind, empty."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*CPU, "--demo", "--demo-warmup-steps", "0", "--reward-fn", "no_such_module:f"]
+    for out in ([], ["--output-dir", "new/nested"], ["--output-dir", "there"]):
+        (tmp_path / "there").mkdir(exist_ok=True)  # was there before: stays
+        with pytest.raises(SystemExit) as stop:
+            trainer.main(argv + out)
+        assert stop.value.code == 2
+        assert "there is no module 'no_such_module'" in one_paragraph(capsys)
+        assert sorted(os.listdir(tmp_path)) == ["there"] and os.listdir(tmp_path / "there") == []
