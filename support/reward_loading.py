@@ -85,12 +85,13 @@ def check_own_task_rewards(args, task):
                     f"answer {str(row['answer'])[:100]!r}. To score it so anyway, pass --reward-fn "
                     "correctness,format."
                 )
-    print(
-        "no --reward-fn: your task is scored with GSM8K's rewards, correctness (the last number "
-        "in <answer>...</answer> equals the answer: every answer is a number) and format; its "
-        "prompts should ask for those tags (--system-prompt)",
-        flush=True,
-    )
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(
+            "no --reward-fn: your task is scored with GSM8K's rewards, correctness (the last "
+            "number in <answer>...</answer> equals the answer: every answer is a number) and "
+            "format; its prompts should ask for those tags (--system-prompt)",
+            flush=True,
+        )
 
 
 def load_reward_fn(spec, flag="--reward-fn", builtins=None, worker=None, timeout=None):
