@@ -28,8 +28,16 @@ def switch(group, name):
     return lambda help: group.add_argument(name, action="store_true", help=help)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors (a value that is not a number, an unknown flag) are one line, exit
+    code 2, as the checks below are: not the usage of every flag first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags).\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="GRPO (DeepSeekMath eq. 3) on GSM8K with a hand-written loop.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -445,6 +453,25 @@ def parse_args(argv=None):
     return args
 
 
+# --reward-memory's range (GiB of address space for the worker process, support/worker.py). At
+# least 1: the worker itself starts in about 32 MiB (Python and the standard library, measured
+# under ulimit -v), but a checker that imports numpy or torch on the CPU maps about 1 GiB (torch
+# 2.x fails to import below it), and address space is not memory (glibc reserves 64 MiB of it per
+# thread's malloc arena): a limit below 1 GiB fails at import time, not on a runaway allocation. At
+# most 2**20 (1 PiB): beyond any machine's memory, and far below what setrlimit takes (2**63
+# bytes); for no limit, 0. Either way never above the process's own hard limit (the worker takes
+# that one, and says so).
+MIN_REWARD_MEMORY_GB, MAX_REWARD_MEMORY_GB = 1.0, float(2**20)
+
+# --sapo-tau-pos/--sapo-tau-neg's lower bound. SAPO's term per token, σ(τ (r - 1)) · 4/τ · Â, is
+# 2/τ · Â plus what depends on the ratio: in float32 (7 significant digits), at τ = 1e-6 the
+# constant 2e6 leaves that part about one digit, and below it none (the logged loss is the
+# constant's rounding); below about 1e-38 τ underflows and the loss and gradients are inf and NaN
+# (measured: gradients exact to 1e-13 down to τ = 1e-30, inf at 1e-40). And a τ that small is a
+# flat gate: the unclipped ratio, not SAPO (--surrogate clip with a wide --epsilon is that).
+SAPO_TAU_MIN = 1e-6
+SAPO_TAU_VALUES = "> 0, at least 1e-6 (below it SAPO's 2/tau swamps float32's digits)"
+
 # The real-valued flags and the values each takes (never NaN or inf: they pass every "<= 0" test).
 NUMBER_RANGES = [
     ("lr", lambda v: v >= 0, ">= 0"),
@@ -457,8 +484,8 @@ NUMBER_RANGES = [
     ("epsilon", lambda v: v > 0, "> 0"),
     ("epsilon_high", lambda v: v > 0, "> 0"),
     ("delta", lambda v: v > 1, "> 1"),
-    ("sapo_tau_pos", lambda v: v > 0, "> 0"),
-    ("sapo_tau_neg", lambda v: v > 0, "> 0"),
+    ("sapo_tau_pos", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
+    ("sapo_tau_neg", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
     ("top_entropy_quantile", lambda v: 0 <= v <= 1, "in [0, 1] (1: off)"),
     ("off_policy_mask", lambda v: v >= 0, ">= 0"),
     ("sampler_ratio_min", lambda v: v >= 0, ">= 0"),
@@ -466,7 +493,12 @@ NUMBER_RANGES = [
     ("lora_alpha", lambda v: v > 0, "> 0"),
     ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("reward_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
-    ("reward_memory", lambda v: v >= 0, ">= 0 GiB (0: no limit)"),
+    (
+        "reward_memory",
+        lambda v: v == 0 or MIN_REWARD_MEMORY_GB <= v <= MAX_REWARD_MEMORY_GB,
+        f"of GiB in [{MIN_REWARD_MEMORY_GB:g}, {MAX_REWARD_MEMORY_GB:.0f}] (1 PiB), or 0 for no "
+        "limit",
+    ),
     ("tool_timeout", lambda v: 0 <= v <= 1e6, "in [0, 1e6] seconds (0: no limit)"),
     ("demo_target_accuracy", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
@@ -574,7 +606,7 @@ def check_option_flags(args):
             f"--overlong-buffer ({args.overlong_buffer}) must be at most --max-new-tokens "
             f"({args.max_new_tokens})."
         )
-    args.tool = split_commas(args.tool)
+    args.tool = split_commas(args.tool, "--tool")
     if args.tool and (args.num_beams > 1 or args.fsdp):
         raise UserError(
             f"--tool needs sampled completions that the decode loop can write a tool's result "
@@ -646,8 +678,8 @@ def check_task_flags(args):
         ) from None
     if args.reward_weights is not None and not all(map(math.isfinite, args.reward_weights)):
         raise UserError(f"--reward-weights must be finite numbers, got {args.reward_weights}.")
-    args.reward_fn = split_commas(args.reward_fn)
-    args.reward_model = split_commas(args.reward_model)
+    args.reward_fn = split_commas(args.reward_fn, "--reward-fn")
+    args.reward_model = split_commas(args.reward_model, "--reward-model")
     custom = [
         f
         for f in ("data", "eval_data", "prompt_field", "answer_field", "system_prompt")
@@ -704,8 +736,17 @@ def check_launch_flags(args):
         )
 
 
-def split_commas(values):
-    """The values of a repeatable flag, each also split at commas, blanks dropped."""
+def split_commas(values, flag=None):
+    """The values of a repeatable flag, each also split at commas, blanks dropped. A value that
+    names nothing at all (--tool '', an unset shell variable) is a UserError naming `flag`: it
+    was dropped silently, and the run went on without the tool, or with the task's own rewards in
+    place of --reward-fn's."""
+    for value in values:
+        if flag is not None and not value.replace(",", "").strip():
+            raise UserError(
+                f"{flag} {value!r} names nothing: pass a name (e.g. MODULE:FUNCTION), or drop "
+                f"{flag} (an empty shell variable, perhaps)."
+            )
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 

@@ -153,6 +153,24 @@ def load_gsm8k(split: str = "train", path: str | None = None) -> list[dict]:
     return [gsm8k_row(where, record) for where, record in read_jsonl(path)]
 
 
+# The most characters a row's prompt may hold: a prompt is tokenized whole (then cut to
+# --max-prompt-length's last tokens), so one 50 MB row cost minutes each time its batch came up.
+# 1,000,000 characters is about 250,000 tokens of English (~4 characters a token), beyond the
+# context of the models a GRPO run samples G completions of (SmolLM2: 8,192 tokens; most others
+# 32k-128k), and tokenizes in about 2 s (SmolLM2's tokenizer, 2 CPU cores).
+MAX_PROMPT_CHARS = 1_000_000
+
+
+def check_prompt_length(where, prompt, field):
+    """ValueError starting with `where` for a prompt longer than MAX_PROMPT_CHARS."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(
+            f"{where}: the prompt ({field!r}) is {len(prompt):,} characters long, more than "
+            f"{MAX_PROMPT_CHARS:,} (about 250,000 tokens, beyond any model's context here): "
+            "shorten the row or leave it out"
+        )
+
+
 def gsm8k_row(where, record):
     """GSM8K's row {"prompt": the question, "answer": the final number} from a record (a JSONL
     line's object, a dataset's row) with a "question" string and an "answer" string ending in
@@ -165,6 +183,7 @@ def gsm8k_row(where, record):
     final = record["answer"].split("####")[-1].strip().replace(",", "")
     if not _GOLD.fullmatch(final):
         raise ValueError(f"{where}: the text after '####' is not a number: {final!r}")
+    check_prompt_length(where, record["question"], "question")
     return {"prompt": record["question"], "answer": final}
 
 
@@ -192,6 +211,7 @@ def own_row(where, record, prompt_field, answer_field):
         )
     if answer_field not in record:
         raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(record)})")
+    check_prompt_length(where, record[prompt_field], prompt_field)
     others = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
     reserved = sorted(set(others) & {"prompts", "completion_lengths", "tool_calls"})
     if reserved:
@@ -462,9 +482,11 @@ def task_from_flags(args):
     if need_train:
         train = load_rows("train", args.data, "--data", fields, train_advice, not args.eval_only)
         train_from = rows_from("train", args.data)
+        check_some_prompt(train, train_from, fields)
     if need_eval and (eval_path or not custom):
         held_out = load_rows("test", eval_path, eval_flag, fields, test_advice, not args.eval_only)
         eval_from = rows_from("test", eval_path)
+        check_some_prompt(held_out, eval_from, fields)
     return Task(
         train=train,
         eval=held_out,
@@ -474,6 +496,25 @@ def task_from_flags(args):
         train_from=train_from,
         eval_from=eval_from,
     )
+
+
+def check_some_prompt(rows, source, fields):
+    """UserError when every row's prompt is empty (or blank): a wrong --prompt-field, or a
+    column the export left empty; the batch would be tokens of the template alone, or none (a
+    traceback from inside the model)."""
+    if rows and not any(row["prompt"].strip() for row in rows):
+        field = "question" if fields is None else fields[0]
+        others = sorted({name for row in rows for name in row.get("fields", {})})
+        raise UserError(
+            f"every row of {source} ({len(rows)}) has an empty prompt (its {field!r} field): "
+            "there is nothing to answer. "
+            + (
+                f"Pass the field that holds the prompts with --prompt-field (the rows' other "
+                f"fields: {', '.join(others)})."
+                if others
+                else "Fill the prompts in."
+            )
+        )
 
 
 def rows_from(split, path):

@@ -308,6 +308,40 @@ def from_flags(args, defaults, fields=()):
     return weighted(named, weights, args.reward_timeout)
 
 
+def check_own_task_rewards(args, task):
+    """Your own task (--prompt-field/--answer-field) without --reward-fn or --reward-model would
+    be scored by the task's default rewards, GSM8K's: correctness (the last number in
+    <answer>...</answer> equals the answer) and format. That fits only GSM8K-shaped rows, whose
+    every answer is a number (as correctness reads one: "42", "-3.5", "1,234", 42); for those it
+    is said in one line. Any other answer is a UserError naming it: a run would learn from a
+    reward that is 0 for every completion."""
+    if args.reward_fn or args.reward_model or (args.prompt_field, args.answer_field) == (None,) * 2:
+        return
+    for split, flag, rows in (
+        ("train", "--data", task.train),
+        ("held-out", "--eval-data", task.eval),
+    ):
+        for i, row in enumerate(rows):
+            if _parse_reference(row["answer"]) is None:
+                raise UserError(
+                    f"your own task has no reward function: pass --reward-fn MODULE:FUNCTION (a "
+                    "function fn(completions, answers, **fields) -> one float per completion, e.g. "
+                    "my_rewards:exact in ./my_rewards.py; README: Your own task) or --reward-model. "
+                    "Without one the run would score it with GSM8K's rewards (correctness: the last "
+                    "number in <answer>...</answer> equals the answer; format), which it does only "
+                    f"when every answer is a number, and {split} row {i + 1} ({flag}) has the "
+                    f"answer {str(row['answer'])[:100]!r}. To score it so anyway, pass --reward-fn "
+                    "correctness,format."
+                )
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(
+            "no --reward-fn: your task is scored with GSM8K's rewards, correctness (the last "
+            "number in <answer>...</answer> equals the answer: every answer is a number) and "
+            "format; its prompts should ask for those tags (--system-prompt)",
+            flush=True,
+        )
+
+
 def load_reward_fn(spec, flag="--reward-fn", builtins=None, worker=None, timeout=None):
     """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format), called in
     this process, or MODULE:FUNCTION, imported in the run's worker process (`worker`, a

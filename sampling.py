@@ -304,6 +304,14 @@ def tokenize_prompts(tokenizer, prompts, device, max_length=None):
     any BOS.) A prompt longer than max_length keeps its last max_length tokens (its end, where
     the reply starts), with a warning."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if enc["input_ids"].shape[1] == 0:  # the model would have nothing to continue
+        from support.errors import UserError
+
+        raise UserError(
+            f"every prompt of a batch ({len(prompts)}) is empty once tokenized: rows whose prompt "
+            "is blank, with a tokenizer without a chat template (and no BOS) that makes no token "
+            f"of them; the first was {prompts[0][:200]!r}. Give those rows text, or leave them out."
+        )
     if max_length is not None and enc["input_ids"].shape[1] > max_length:
         cut = int((enc["attention_mask"].sum(1) > max_length).sum())
         print(

@@ -27,6 +27,7 @@ one that hangs, dies or runs out of memory stops the run with an error naming it
 """
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,10 @@ from support.errors import UserError
 
 CALL_OPEN, CALL_CLOSE = "<tool>", "</tool>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+
+# A result up to this many characters per --max-tool-result-tokens token is tokenized whole; a
+# longer one is cut first (ToolSession.result_chars).
+SHORT_RESULT_CHARS_PER_TOKEN = 16
 
 # --tool's built-ins, run in this process (they are bounded: no hang, no runaway memory)
 BUILTIN_TOOLS = {"calculator": calculator}
@@ -175,15 +180,48 @@ class ToolSession:
 
     def result_tokens(self, text):
         """<result>TEXT</result> as token ids, TEXT cut to max_result_tokens tokens. Special-token
-        text in TEXT ("<|im_end|>") stays text: it is split like any other."""
+        text in TEXT ("<|im_end|>") stays text: it is split like any other. A long TEXT is cut to
+        result_chars() characters first: a 10 MB result costs what a short one does, not minutes
+        of tokenizing what is then thrown away."""
 
         def encode(piece, split=True):
             return self.tokenizer(piece, add_special_tokens=False, split_special_tokens=split)[
                 "input_ids"
             ]
 
-        inner = encode(text)[: self.tools.max_result_tokens]
+        n = self.tools.max_result_tokens
+        if len(text) > SHORT_RESULT_CHARS_PER_TOKEN * n:  # else tokenizing it all is cheap anyway
+            text = text[: self.result_chars()]
+        inner = encode(text)[:n]
         return encode(RESULT_OPEN, False) + inner + encode(RESULT_CLOSE, False)
+
+    def result_chars(self):
+        """How many characters of a result can reach its first max_result_tokens tokens, with room
+        to spare: each token covers at most the longest token's text in the vocabulary (a
+        byte-level token's string has one character per byte, so at least as many as its text),
+        and the bound is twice that for one token more, so that the pieces a pre-tokenizer or a
+        merge joins across the cut lie far beyond the tokens kept. (Characters that make no token
+        at all, a run of whitespace that a word-level tokenizer drops, count as characters: a
+        result of megabytes of blanks is cut within them.)"""
+        return 2 * (self.tools.max_result_tokens + 1) * longest_token(self.tokenizer)
+
+
+# The longest token's text of each tokenizer in use (ToolSession.result_chars), computed once:
+# reading a 49k-token vocabulary takes about 0.1 s.
+LONGEST_TOKEN = weakref.WeakKeyDictionary()
+
+
+def longest_token(tokenizer):
+    """The most characters of any token's string in `tokenizer`'s vocabulary (at least 1)."""
+    try:
+        return LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):  # not seen yet, or a tokenizer that cannot be a key
+        longest = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+    try:
+        LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:
+        pass
+    return longest
 
 
 def from_flags(args, worker=None):

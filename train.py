@@ -130,6 +130,7 @@ def setup(args, flags):
         fits(model.config, "the demo's model")
     else:
         task = data.task_from_flags(flags)
+        rewards.check_own_task_rewards(flags, task)  # your rows, GSM8K's rewards: numbers only
         name = resume_dir if start == checkpoint.FROM_CHECKPOINT else args.model
         model, tokenizer = models.load_model(name, check_config=fits)
     task = with_reward_fns(task, args.reward_fn)
@@ -157,7 +158,10 @@ def setup(args, flags):
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     updates = args.steps * args.num_iterations
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
-    step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None) if resume_dir else 0
+    step = 0
+    if resume_dir is not None:  # AdamW, the schedule and the RNG as saved; no NaN taken in
+        step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None)
+        checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     log, evals = report.open_log(args.output_dir, step if resume_dir else None, flags)
     report.print_header(flags, model)
     report.print_data(task, args.eval_limit)

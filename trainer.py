@@ -318,6 +318,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     step = 0
     if resume_dir is not None:
         step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
+        checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     if args.compile:  # the compiled decode's shapes, fixed for the run: two graphs, two KV caches
         length = decode_length(task, tokenizer, model, s.sampling)
         decode.plan_decode(model, decode_rows(s), length)
@@ -844,6 +845,9 @@ def load_task(args, task=None):
     --reward-fn, --reward-model, --overlong-buffer and --reward-weights make them, --extract-answer
     and --response-prefix. A step needing more rows than the data has is refused here."""
     task = task or data.task_from_flags(args)  # GSM8K, or your rows (--prompt-field, ...)
+    rewards.check_own_task_rewards(
+        args, task
+    )  # your rows with GSM8K's rewards: only numeric answers
     # the task's own rewards, which --reward-fn replaces
     named = [(r.name, r.fn) for r in task.rewards]
     extract = task.extract_answer
@@ -966,6 +970,7 @@ def evaluate_only(args, task, model, tokenizer, resume_dir):
     report.print_data(task, settings.eval.limit)
     if resume_dir is not None:
         model = checkpoint_policy(model, args, resume_dir, settings.start)
+        checkpoint.check_resumed_finite(model, None, resume_dir)
         print(f"evaluating the policy in {resume_dir}")
     e = settings.eval
     result = evaluation.evaluate_with(

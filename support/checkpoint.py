@@ -115,11 +115,70 @@ def restore(resume_dir, args, optimizer, scheduler, scaler):
     check_same_flags(state["args"], args)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    schedule_for(scheduler, optimizer)
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state.get("rngs", [state["rng"]])[distributed.rank()])  # this rank's own
     print(f"resumed from {resume_dir} at step {state['step']}")
+    steps = state["args"].get("steps")
+    if steps is not None and steps != args.steps:
+        print(
+            f"--steps {args.steps} (the checkpoint's: {steps}): the {args.lr_scheduler} schedule "
+            f"runs over {args.steps * args.num_iterations} updates now; the next update's learning "
+            f"rate is {scheduler.get_last_lr()[0]:.3g}"
+        )
     return state["step"]
+
+
+def schedule_for(scheduler, optimizer):
+    """The learning rates of the schedule as built for this run (over --steps x --num-iterations
+    updates), at the restored update count. load_state_dict restores the count and the base
+    rates, but the optimizer's rates are the saved run's: after a run of 2 steps on a linear
+    schedule, 0, and with --steps raised on --resume the next update would run at lr 0 (and log
+    it). Unchanged --steps gives back exactly the saved rates (the same formula on the same
+    numbers): resume stays bit-identical."""
+    if not hasattr(scheduler, "lr_lambdas"):  # not a LambdaLR (every transformers schedule is one)
+        return
+    rates = [
+        base * schedule(scheduler.last_epoch)
+        for schedule, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
+    ]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() returns, as LRScheduler.step sets it
+
+
+def check_resumed_finite(model, optimizer, resume_dir):
+    """UserError when the weights (π_θ, as loaded from the checkpoint) or AdamW's moments (none
+    checked when `optimizer` is None: --eval-only) hold NaN or inf: the run would start from them
+    and stop at its first update, blaming --lr. save_run never writes such weights, so the
+    checkpoint was written otherwise or damaged since (its headers and sizes are whole: find_last
+    checked them)."""
+    bad, anywhere = nonfinite_weights(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    moments = sorted(
+        f"{names.get(id(p), 'a parameter')} ({key})"
+        for p, state in (optimizer.state.items() if optimizer is not None else ())
+        for key, value in state.items()
+        if torch.is_tensor(value) and value.is_floating_point() and not value.isfinite().all()
+    )
+    if not anywhere and not moments:
+        return
+    what = (
+        f"weights (NaN or inf in {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''})"
+        if bad
+        else "weights (NaN or inf on another rank)"
+        if anywhere
+        else f"AdamW state (NaN or inf in {', '.join(moments[:3])}"
+        + (" and others" if len(moments) > 3 else "")
+        + ")"
+    )
+    raise UserError(
+        f"--resume: {resume_dir} holds non-finite {what}, so it is not used: training would stop "
+        "at its first update, whatever --lr, and an evaluation would score NaN. This trainer never "
+        "saves such a checkpoint: it was written otherwise or damaged since. Restore the directory "
+        "from a copy, or start over with --overwrite (or in another --output-dir)."
+    )
 
 
 SHAPE_KEYS = (
@@ -151,12 +210,14 @@ def check_same_architecture(initial, saved, model_name, resume_dir):
 
 # The flags a resumed run may change (docs/reliability.md). Every other flag must be the
 # checkpoint's: the run would otherwise not continue the one it resumes. Paths may move; --steps
-# stretches or shortens the LR schedule.
+# stretches or shortens the LR schedule (schedule_for); the time and memory limits of user code
+# may be raised (a tool or reward that timed out says to raise its limit, then resume).
 MAY_CHANGE_ON_RESUME = {
     "resume",
     "overwrite",
     "reward_timeout",
     "reward_memory",
+    "tool_timeout",
     "report_to",
     "steps",
     "eval_every",

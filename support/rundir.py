@@ -107,13 +107,18 @@ def claim_output_dir(args):
       checkpoint/ or checkpoint.old/) is refused, naming what it holds and the ways on; with
       --overwrite that run's files are removed first. --overwrite has no effect with --resume.
 
+    - A start that fails inside the block (bad data, a reward that does not import, a model that
+      does not load, Ctrl-C) leaves no empty directory behind: those this claim created (the
+      output directory, runs/ too) are removed again while they are empty.
+
     Under torchrun rank 0 alone does this (the others write nothing), and every rank raises its
     refusal. --eval-only writes no run: nothing is claimed."""
     if args.eval_only:
         yield None
         return
-    lock, refusal = None, None
+    lock, refusal, created = None, None, []
     if distributed.is_main():
+        created = missing_directories(args.output_dir)
         try:
             lock = OutputDirLock(args.output_dir)
             prepare_output_dir(args)
@@ -122,17 +127,47 @@ def claim_output_dir(args):
         except BaseException:
             if lock is not None:
                 lock.release()
+            remove_if_empty(created)
             raise
     if distributed.world() > 1:
         message = distributed.gather_objects(None if refusal is None else str(refusal))[0]
         refusal = refusal or (UserError(message) if message is not None else None)
+    failed = True
     try:
         if refusal is not None:
             raise refusal
         yield lock
+        failed = False
     finally:
         if lock is not None:
             lock.release()
+        if failed:
+            remove_if_empty(created)
+
+
+def missing_directories(path):
+    """The directories that creating `path` would create: `path` and its missing parents, the
+    deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_if_empty(directories):
+    """Remove each directory, the deepest first, while it is empty (and exists): a run that failed
+    to start leaves nothing of its own behind."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty (a file of the run, or of someone else), or not ours to remove
+            return
 
 
 class OutputDirLock:

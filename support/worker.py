@@ -16,9 +16,13 @@ Remote      a function in the worker, as the trainer holds it: callable, with th
 Why subprocess and pickle over pipes, not multiprocessing: the child runs `python -m
 support.worker`, which imports nothing but the standard library and the user's module (no torch,
 no trainer.py, as "spawn" would re-import the main module); the pipes are the child's own file
-descriptors (a print in user code cannot corrupt the protocol); the child is a new session, so a
-Ctrl-C at the terminal reaches the trainer alone, which decides what happens to the child; and a
-trainer killed outright leaves a child that reads end-of-file and exits.
+descriptors (a print in user code cannot corrupt the protocol); the child is a new session and
+process group, so a Ctrl-C at the terminal reaches the trainer alone, which decides what happens
+to the child, and ending the child ends the group: whatever a tool forked. A trainer killed
+outright (SIGKILL) takes the child with it, even in the middle of a hung call (PR_SET_PDEATHSIG on
+Linux, a watchdog thread elsewhere; the processes a tool forked then live on, as orphans of user
+code). The trainer also watches that the child lives while it waits: a child that died while a
+process it forked holds its pipe open is named at once, not waited on.
 
 The mechanism is generic: `call` runs any loaded function, through an optional adapter (a
 MODULE:FUNCTION run in the child around the call: sandbox.reward_in_worker for rewards), so tools
@@ -38,8 +42,16 @@ import time
 
 # --reward-memory's default, in GiB of address space: generous for a checker that imports numpy or
 # torch on the CPU (torch alone maps a few GiB), low enough that a runaway allocation fails in the
-# worker, not in the machine.
+# worker, not in the machine. Never above the trainer's own hard limit (memory_limit).
 DEFAULT_MEMORY_GB = 32.0
+
+# How often the trainer, waiting on the worker, checks that the worker still lives: a tool that
+# forked keeps the worker's pipe open in its child after the worker dies, so end-of-file alone
+# cannot say so.
+LIVENESS_POLL_S = 0.5
+
+# The notes already said in this process (memory_limit's): once each, not once per worker.
+SAID = set()
 
 # After SIGTERM, how long the child has to exit before SIGKILL.
 TERM_GRACE_S = 2.0
@@ -71,6 +83,7 @@ class Worker:
 
     def __init__(self, memory_gb=DEFAULT_MEMORY_GB):
         self.memory_gb, self.process, self.loaded = memory_gb, None, []
+        self.from_child = None
 
     # --- the trainer's side -----------------------------------------------------------------
 
@@ -117,11 +130,14 @@ class Worker:
         from_child_r, from_child_w = os.pipe()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        limit = memory_limit(self.memory_gb)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "support.worker", str(to_child_r), str(from_child_w)]
-            + [str(self.memory_gb)],
+            + [str(limit), str(os.getpid())],
             pass_fds=(to_child_r, from_child_w),
-            start_new_session=True,  # a Ctrl-C at the terminal is the trainer's to handle
+            # its own session and process group: a Ctrl-C at the terminal is the trainer's to
+            # handle, and close() ends the group, with whatever a tool forked
+            start_new_session=True,
             env=env,
         )
         os.close(to_child_r), os.close(from_child_w)
@@ -149,10 +165,20 @@ class Worker:
     def read(self, n, deadline, what, timeout):
         chunks, left = [], n
         while left:
-            wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+            wait = LIVENESS_POLL_S
+            if deadline is not None:
+                wait = min(wait, max(deadline - time.monotonic(), 0))
             ready, _, _ = select.select([self.from_child], [], [], wait)
+            if not ready and self.process.poll() is not None:
+                # dead, though its pipe is open (a process it forked holds it): what it wrote
+                # before dying is read first
+                ready, _, _ = select.select([self.from_child], [], [], 0)
+                if not ready:
+                    raise WorkerFailed(self.death())
             if not ready:
-                raise WorkerTimeout(f"did not return within {timeout:g} s")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WorkerTimeout(f"did not return within {timeout:g} s")
+                continue
             chunk = os.read(self.from_child, min(left, 1 << 20))
             if not chunk:
                 raise WorkerFailed(self.death())
@@ -178,7 +204,8 @@ class Worker:
         self.close()
 
     def close(self):
-        """End the child: SIGTERM, then SIGKILL if it is still there after TERM_GRACE_S."""
+        """End the child and its process group (whatever a tool forked): SIGTERM, then SIGKILL
+        if the child is still there after TERM_GRACE_S; the group gets SIGKILL last either way."""
         process, self.process = self.process, None
         if process is None:
             return
@@ -189,15 +216,52 @@ class Worker:
                 pass
         try:
             os.close(self.from_child)
-        except OSError:
+        except (OSError, TypeError):
             pass
         if process.poll() is None:
-            process.terminate()
+            signal_group(process.pid, signal.SIGTERM)
             try:
                 process.wait(timeout=TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        # the child's group (its pid: it leads its own session) may outlive it: a tool's forks
+        signal_group(process.pid, signal.SIGKILL)
+
+
+def signal_group(pgid, signum):
+    """Send `signum` to process group `pgid`; nothing when it is gone (or not ours)."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def memory_limit(memory_gb):
+    """The worker's address-space limit in bytes for --reward-memory `memory_gb` (0: none, 0
+    returned): never above this process's own hard RLIMIT_AS, which the worker inherits and could
+    not raise (a cluster's ulimit -v). Where that is lower than asked, the worker gets it, said
+    once on stdout."""
+    if memory_gb <= 0:
+        return 0
+    asked = int(memory_gb * 2**30)
+    try:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    except (ImportError, OSError, ValueError):  # no resource module (not POSIX)
+        return asked
+    if hard == resource.RLIM_INFINITY or hard >= asked:
+        return asked
+    note = (
+        f"--reward-memory {memory_gb:g} GiB is above this process's hard address-space limit "
+        f"({hard / 2**30:.2f} GiB: ulimit -v, or the cluster's): the worker process gets "
+        f"{hard / 2**30:.2f} GiB"
+    )
+    if note not in SAID and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
+    SAID.add(note)
+    return hard
 
 
 class Remote:
@@ -295,12 +359,45 @@ def serve(inbox, outbox):
                 reply((RAISED, type(unpicklable).__name__, str(unpicklable), ""))
 
 
+def die_with_parent(parent):
+    """End this process when the trainer (pid `parent`) ends, however it ends (SIGKILL too), even
+    while user code hangs and no end-of-file is read: Linux's PR_SET_PDEATHSIG (SIGKILL), and a
+    parent that is gone already is checked after setting it (the kernel sends it when the thread
+    that started this process ends: the trainer starts workers from its main thread). Elsewhere, a
+    watchdog thread that checks the parent every LIVENESS_POLL_S and ends this process group."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent:  # the trainer ended before prctl
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(LIVENESS_POLL_S)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main():
-    inbox_fd, outbox_fd, memory_gb = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    if memory_gb > 0:
+    inbox_fd, outbox_fd, limit = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    die_with_parent(int(sys.argv[4]))
+    # a program a tool starts (with close_fds=False) does not inherit the protocol's pipes
+    os.set_inheritable(inbox_fd, False), os.set_inheritable(outbox_fd, False)
+    if limit > 0:
         import resource
 
-        limit = int(memory_gb * 2**30)
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        if hard != resource.RLIM_INFINITY:  # never above the inherited hard limit (memory_limit)
+            limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer ends the worker
     with os.fdopen(inbox_fd, "rb") as inbox, os.fdopen(outbox_fd, "wb") as outbox:

@@ -21,9 +21,11 @@ import torch
 import transformers.modeling_utils
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+import config
 import trainer
-from helpers import ROOT, read_metrics, tiny_argv, without_time
+from helpers import CPU, ROOT, read_metrics, tiny_argv, without_time
 from support import checkpoint, report
+from support.errors import UserError
 
 
 def run_main(out_dir, *extra):
@@ -502,3 +504,90 @@ def test_a_save_with_non_finite_weights_replaces_nothing_and_names_the_checkpoin
     )
     assert len(calls) == 2 and snapshot(run / "checkpoint") == kept
     assert sorted(os.listdir(run)) == ["checkpoint", "metrics.jsonl"]
+
+
+def poison(directory, tensor="model.embed_tokens.weight"):
+    """NaN in one weight of a checkpoint's model.safetensors, its headers and sizes unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    path = str(directory / "model.safetensors")
+    weights = load_file(path)
+    weights[tensor][3, 1] = float("nan")
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def test_a_checkpoint_with_non_finite_weights_or_adamw_state_is_refused_at_load(tmp_path, capsys):
+    """Such a checkpoint was loaded as it was; its first update then stopped the run, blaming
+    --lr. Now it is refused on --resume, naming the tensor (and on --eval-only --resume)."""
+    run = tmp_path / "run"
+    assert run_main(run, "--steps", "1")[0] == 0
+    shutil.copytree(run / "checkpoint", tmp_path / "whole")
+    poison(run / "checkpoint")
+    capsys.readouterr()
+    assert run_main(run, "--steps", "2", "--resume")[0] == 2
+    err = one_paragraph(capsys)
+    assert err.startswith(
+        f"error: --resume: {run}/checkpoint holds non-finite weights (NaN or inf in "
+        "model.embed_tokens.weight), so it is not used: training would stop at its first update, "
+        "whatever --lr"
+    )
+    assert run_main(run, "--eval-only", "--resume")[0] == 2
+    assert "holds non-finite weights (NaN or inf in model.embed_tokens.weight)" in one_paragraph(
+        capsys
+    )
+    # whole weights, NaN in AdamW's first moment of one of them
+    shutil.rmtree(run / "checkpoint")
+    shutil.copytree(tmp_path / "whole", run / "checkpoint")
+    state_file = run / "checkpoint" / "training_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["optimizer"]["state"][0]["exp_avg"].view(-1)[0] = float("inf")
+    torch.save(state, state_file)
+    assert run_main(run, "--steps", "2", "--resume")[0] == 2
+    assert "holds non-finite AdamW state (NaN or inf in model.embed_tokens.weight (exp_avg))" in (
+        one_paragraph(capsys)
+    )
+    assert read_metrics(run)[-1]["step"] == 1  # nothing trained, nothing logged
+
+
+def test_raising_steps_on_resume_stretches_the_lr_schedule_instead_of_logging_lr_0(
+    tmp_path, capsys
+):
+    """A linear schedule over 1 step ends at lr 0, which the optimizer kept on --resume --steps 3:
+    step 2 ran (and logged) lr 0. Now the schedule is the new run's, at the restored count."""
+    run = tmp_path / "run"
+    assert run_main(run, "--steps", "1")[0] == 0  # the demo's lr 2e-3, linear, μ = 1
+    capsys.readouterr()
+    assert run_main(run, "--steps", "3", "--resume")[0] == 0
+    lrs = [row["lr"] for row in read_metrics(run)]
+    assert lrs == pytest.approx([2e-3, 2e-3 * 2 / 3, 2e-3 / 3])
+    assert (
+        "--steps 3 (the checkpoint's: 1): the linear schedule runs over 3 updates now; the next "
+        "update's learning rate is 0.00133" in capsys.readouterr().out
+    )
+
+
+def test_the_time_limits_a_stop_message_says_to_raise_may_change_on_resume():
+    # "make the tool faster or raise --tool-timeout, then --resume" (tools.tool_failure): the
+    # resumed run must not then be refused for its flags
+    argv = [*CPU, "--demo", "--tool", "calculator", "--output-dir", "/tmp/x"]
+    saved = vars(config.parse_args([*argv, "--tool-timeout", "2"]))
+    raised = ["--tool-timeout", "60", "--reward-timeout", "900", "--reward-memory", "64"]
+    checkpoint.check_same_flags(saved, config.parse_args([*argv, *raised, "--resume"]))
+    with pytest.raises(UserError, match="--max-tool-calls was 4, now 5"):
+        checkpoint.check_same_flags(saved, config.parse_args([*argv, "--max-tool-calls", "5"]))
+
+
+def test_a_start_that_fails_after_claiming_its_directory_leaves_no_empty_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """A reward function that does not import fails after the output directory is claimed: the
+    runs/<name>/ it created (and runs/ itself) used to stay behind, empty."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*CPU, "--demo", "--demo-warmup-steps", "0", "--reward-fn", "no_such_module:f"]
+    for out in ([], ["--output-dir", "new/nested"], ["--output-dir", "there"]):
+        (tmp_path / "there").mkdir(exist_ok=True)  # was there before: stays
+        with pytest.raises(SystemExit) as stop:
+            trainer.main(argv + out)
+        assert stop.value.code == 2
+        assert "there is no module 'no_such_module'" in one_paragraph(capsys)
+        assert sorted(os.listdir(tmp_path)) == ["there"] and os.listdir(tmp_path / "there") == []

@@ -425,3 +425,83 @@ def test_a_task_says_where_its_rows_came_from_in_the_users_words(tmp_path, monke
     # trainer.py's own additions to the task (its rewards, the response prefix) keep them
     task = trainer.load_task(config.parse_args(gsm8k))
     assert (task.train_from, task.eval_from) == ("gsm8k/train.jsonl", "gsm8k/test.jsonl")
+
+
+# --- rows no run can use: one paragraph at load, before any model ----------------------------
+
+
+def refusal(capsys, argv):
+    """trainer.main's one paragraph for these flags (exit code 2), after "error: "."""
+    capsys.readouterr()  # what building argv printed (own_task_argv saves a model)
+    with pytest.raises(SystemExit) as stop:
+        trainer.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err.removeprefix("error: ").strip()
+
+
+def test_an_over_long_prompt_row_is_refused_with_its_line_not_tokenized(
+    tmp_path, capsys, monkeypatch
+):
+    # a 50 MB prompt on line 3 was tokenized whole each time its batch came up (minutes)
+    monkeypatch.setattr(trainer.models, "load_model", lambda *a, **kw: pytest.fail("model loaded"))
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "2 + 1 =", "answer": "3"}]
+    rows += [{"prompt": "x" * 50_000_000, "answer": "4"}, {"prompt": "4 + 1 =", "answer": "5"}]
+    write_rows(path, rows)
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = str(path)
+    assert refusal(capsys, argv).startswith(
+        f"could not load your task's train data: {path}:3: the prompt ('prompt') is 50,000,000 "
+        "characters long, more than 1,000,000 (about 250,000 tokens"
+    )
+    # GSM8K's rows, and a prompt at the bound itself
+    with pytest.raises(ValueError, match=r"^f:9: the prompt \('question'\) is 1,000,001 char"):
+        data.gsm8k_row("f:9", {"question": "q" * 1_000_001, "answer": "#### 1"})
+    assert data.own_row("f:9", {"p": "q" * 1_000_000, "a": 1}, "p", "a")["answer"] == 1
+
+
+def test_every_prompt_empty_is_one_paragraph_not_a_traceback(tmp_path, capsys):
+    # the demo's tokenizer has no chat template: "" was no token at all, and the first forward
+    # raised a reshape error from inside the model
+    path = write_rows(
+        tmp_path / "rows.jsonl", [{"prompt": " ", "answer": str(i), "text": "t"} for i in range(4)]
+    )
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = path
+    assert refusal(capsys, argv) == (
+        f"every row of {path} (4) has an empty prompt (its 'prompt' field): there is nothing to "
+        "answer. Pass the field that holds the prompts with --prompt-field (the rows' other "
+        "fields: text)."
+    )
+    # a batch whose prompts all tokenize to nothing, whatever the rest of the data holds
+    with pytest.raises(config.UserError, match=r"every prompt of a batch \(2\) is empty once"):
+        sampling.tokenize_prompts(demo.word_tokenizer(demo.WORDS), ["", "\n"], "cpu")
+
+
+def test_your_own_task_without_reward_fn_is_refused_unless_every_answer_is_a_number(
+    tmp_path, capsys
+):
+    # it used to train on GSM8K's rewards silently: 0 for every completion of a task whose
+    # answers are words
+    rows = [{"prompt": f"Capital of {c}?", "answer": a} for c, a in [("FR", "Paris"), ("IT", "7")]]
+    argv = own_task_argv(tmp_path)
+    argv[argv.index("--data") + 1] = write_rows(tmp_path / "capitals.jsonl", rows * 2)
+    message = refusal(capsys, argv)
+    assert message.startswith(
+        "your own task has no reward function: pass --reward-fn MODULE:FUNCTION"
+    )
+    assert "train row 1 (--data) has the answer 'Paris'" in message
+    assert message.endswith("To score it so anyway, pass --reward-fn correctness,format.")
+    # a reward model, or --reward-fn (a built-in too), is a reward of its own
+    for given in (["--reward-fn", "format"], ["--reward-fn", "correctness,format"]):
+        task = trainer.load_task(config.parse_args(argv + given))
+        assert [r.name for r in task.rewards] == given[1].split(",")
+    # numbers, as GSM8K's are: its rewards, said in one line
+    capsys.readouterr()
+    task = trainer.load_task(config.parse_args(own_task_argv(tmp_path)))
+    assert [r.name for r in task.rewards] == ["correctness", "format"]
+    assert capsys.readouterr().out.startswith(
+        "no --reward-fn: your task is scored with GSM8K's rewards, correctness"
+    )

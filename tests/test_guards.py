@@ -134,7 +134,14 @@ def test_max_new_tokens_beyond_the_context_is_refused_before_the_weights_load(
         AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: pytest.fail("weights loaded")
     )
     argv = [*CPU, "--model", str(model_dir), "--data", str(rows), "--prompt-field", "prompt"]
-    argv += ["--answer-field", "answer", "--output-dir", str(tmp_path / "r")]
+    argv += [
+        "--answer-field",
+        "answer",
+        "--reward-fn",
+        "format",
+        "--output-dir",
+        str(tmp_path / "r"),
+    ]
     for extra, expected in [
         (["--max-new-tokens", "512"], "at most 511."),
         (

@@ -352,3 +352,29 @@ def test_plot_needs_a_directory_holding_metrics_jsonl(tmp_path):
     assert refusal([*CPU, "--plot", str(tmp_path / "missing")]).startswith("--plot ")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert config.parse_args([*CPU, "--plot", str(run)]).plot == str(run)
+
+
+@pytest.mark.parametrize("flag", ["--sapo-tau-pos", "--sapo-tau-neg"])
+def test_sapo_tau_below_1e_6_is_refused_and_at_1e_6_the_loss_and_gradient_are_finite(flag):
+    # 1e-30 was accepted: SAPO's term σ(τ (r - 1)) · 4/τ · Â holds the constant 2/τ · Â, which
+    # swamps float32's digits below 1e-6, and is inf (gradients NaN) below ~1e-38
+    argv = [*CPU, "--demo", "--surrogate", "sapo", "--output-dir", "/tmp/x", flag]
+    for tiny in ("1e-30", "9e-7", "0"):
+        with pytest.raises(config.UserError) as refused:
+            config.parse_args([*argv, tiny])
+        assert str(refused.value).startswith(f"{flag} must be a finite number > 0, at least 1e-6")
+    args = config.parse_args([*argv, "1e-6"])
+    logps = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], requires_grad=True)
+    loss = grpo.grpo_loss(
+        logps,
+        logps.detach() + torch.tensor([[0.1, -0.2], [0.0, 0.3]]),
+        None,
+        torch.tensor([1.0, -1.0]),
+        torch.ones(2, 2),
+        beta=0,
+        surrogate="sapo",
+        sapo_tau_pos=args.sapo_tau_pos,
+        sapo_tau_neg=args.sapo_tau_neg,
+    )
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logps.grad).all()

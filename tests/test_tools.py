@@ -206,6 +206,29 @@ def test_a_result_is_cut_to_max_tool_result_tokens():
     assert r.input_ids[0, r.prompt_length :].tolist() == [ID[w] for w in words]
 
 
+def test_a_huge_result_is_cut_to_characters_before_it_is_tokenized_not_after():
+    # a 10 MB result used to be tokenized whole (minutes for a real tokenizer), then cut to
+    # --max-tool-result-tokens; now the tokenizer never sees more than result_chars() of it
+    tok, seen = demo.word_tokenizer(WORDS), []
+
+    class Spy:  # the tokenizer, recording the length of each text it is handed
+        def get_vocab(self):
+            return tok.get_vocab()
+
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return tok(text, **kw)
+
+    session = tools.Tools({}, max_result_tokens=2).session(Spy(), 1, 20)
+    ten_mb = "12 " * 3_500_000
+    assert session.result_tokens(ten_mb) == [ID[w] for w in "<result> 12 12 </result>".split()]
+    # twice the longest token's text ("</result>", 9 characters) for 2 + 1 tokens
+    assert session.result_chars() == 2 * 3 * 9 and max(seen) <= 54
+    _, _, r = exchange(tool_result=ten_mb, max_result_tokens=2)  # the whole exchange, as before
+    words = "<tool> calc </tool> <result> 12 12 </result> 12 <eos>".split()
+    assert r.input_ids[0, r.prompt_length :].tolist() == [ID[w] for w in words]
+
+
 def test_calls_past_max_tool_calls_stay_plain_text():
     # after each result the script calls again: <tool> calc </tool> <result> y </result> <tool> ...
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
@@ -286,6 +309,23 @@ def test_flags_that_cannot_work_with_tools_are_refused_before_any_model_loads(ex
             ["--demo", "--tool", "calculator", "--output-dir", "/tmp/x"] + extra
         )
         tools.from_flags(args)
+
+
+@pytest.mark.parametrize("flag", ["--tool", "--reward-fn", "--reward-model"])
+@pytest.mark.parametrize("value", ["", " ", ","])
+def test_a_flag_value_that_names_nothing_is_refused_not_dropped(flag, value):
+    # --tool '' was dropped silently: the run trained without its tool (--reward-fn '' with the
+    # task's own rewards)
+    with pytest.raises(UserError) as refused:
+        config.parse_args(["--demo", "--output-dir", "/tmp/x", flag, value])
+    assert str(refused.value) == (
+        f"{flag} {value!r} names nothing: pass a name (e.g. MODULE:FUNCTION), or drop {flag} (an "
+        "empty shell variable, perhaps)."
+    )
+    # a trailing comma after a name is not a value that names nothing
+    assert config.parse_args(
+        ["--demo", "--output-dir", "/tmp/x", "--tool", "calculator,"]
+    ).tool == ["calculator"]
 
 
 def test_rewards_may_ask_for_tool_calls_and_no_data_field_may_take_the_name():
