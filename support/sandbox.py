@@ -11,17 +11,14 @@ what it cannot interrupt).
 
 import contextlib
 import copy
-import importlib
 import inspect
-import os
 import signal
-import sys
 import threading
 import time
-import traceback
 
 from support import worker
 from support.errors import UserError
+from support.worker import import_function, raised_at  # noqa: F401 (sandbox.import_function)
 
 # float32's largest finite value (torch.finfo(torch.float32).max): torch is not imported here, as
 # the worker process (support/worker.py) imports this file and needs no torch
@@ -117,49 +114,6 @@ def reward_in_worker(fn, name, completions, answers, kwargs):
     except BaseException as e:  # SystemExit too: a reward function does not end the run
         raise UserError(exception_message(name, e, fn, completions, answers, kwargs)) from None
     return as_floats(name, values, completions)
-
-
-def import_function(spec, flag, cwd):
-    """The function MODULE:FUNCTION names, imported with `cwd` first on the import path (in the
-    worker process), or a UserError saying why not: no such module, an error (SystemExit and
-    argparse's exit too) while importing it, no such function."""
-    module_name, _, fn_name = spec.partition(":")
-    if cwd not in sys.path[:1]:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name.split(".")[0] and e.name != module_name:
-            raise UserError(
-                f"{flag} {spec}: importing {module_name} for {flag} failed: {e}."
-            ) from None
-        raise UserError(
-            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
-            f".py in the working directory ({cwd}) or on the import path."
-        ) from None
-    except SystemExit as e:  # sys.exit, or argparse's parse_args reading the trainer's flags
-        raise UserError(
-            f"{flag} {spec}: importing {module_name} for {flag} raised SystemExit({e.code!r}): it "
-            "exits when imported (argparse's parse_args at import time does, on flags that are not "
-            'its own). Parse arguments under `if __name__ == "__main__":` only.'
-        ) from None
-    except (
-        BaseException
-    ) as e:  # a syntax error in the user's file, or an error it raises when imported
-        raise UserError(
-            f"{flag} {spec}: importing {module_name} for {flag} raised {type(e).__name__}: "
-            f"{e}{raised_at(e)}."
-        ) from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        found = sorted(
-            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
-        )
-        raise UserError(
-            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
-            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
-        )
-    return fn
 
 
 def own_copy(values):
@@ -273,19 +227,6 @@ def first_failing_completion(fn, completions, answers, kwargs):
         except BaseException:
             return i
     return None
-
-
-def raised_at(e):
-    """ " (file.py:12)": where an exception was raised, for a message; "" for a SyntaxError (it
-    names its place itself) and for one raised in this file (about the value, not user code)."""
-    frames = traceback.extract_tb(e.__traceback__)
-    if (
-        isinstance(e, SyntaxError)
-        or not frames
-        or os.path.abspath(frames[-1].filename) == os.path.abspath(__file__)
-    ):
-        return ""
-    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
 
 
 def as_rewards(name, values, completions):

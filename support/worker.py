@@ -91,7 +91,7 @@ class Worker:
         """Import MODULE:FUNCTION in the worker (started now if it is not running), with `cwd`
         first on its import path, and return its Remote. Any problem (no module, an error at
         import, SystemExit or argparse at import, no such function) is a UserError with the
-        message (sandbox.import_function's)."""
+        message (import_function's)."""
         description = self.request(("load", spec, flag, cwd), timeout=0, what=f"importing {spec}")
         key = len(self.loaded)
         self.loaded.append((spec, flag, cwd))
@@ -314,15 +314,74 @@ def describe(fn):
 
 def load(spec, flag, cwd):
     """The function MODULE:FUNCTION names, imported here; a UserError for what goes wrong."""
-    from support.sandbox import import_function
-
     return import_function(spec, flag, cwd)
+
+
+def import_function(spec, flag, cwd):
+    """The function MODULE:FUNCTION names, imported with `cwd` first on the import path (in the
+    worker process), or a UserError saying why not: no such module, an error (SystemExit and
+    argparse's exit too) while importing it, no such function."""
+    from support.errors import UserError
+
+    module_name, _, fn_name = spec.partition(":")
+    if cwd not in sys.path[:1]:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] and e.name != module_name:
+            raise UserError(
+                f"{flag} {spec}: importing {module_name} for {flag} failed: {e}."
+            ) from None
+        raise UserError(
+            f"{flag} {spec!r}: there is no module {module_name!r}: no {module_name.replace('.', '/')}"
+            f".py in the working directory ({cwd}) or on the import path."
+        ) from None
+    except SystemExit as e:  # sys.exit, or argparse's parse_args reading the trainer's flags
+        raise UserError(
+            f"{flag} {spec}: importing {module_name} for {flag} raised SystemExit({e.code!r}): it "
+            "exits when imported (argparse's parse_args at import time does, on flags that are not "
+            'its own). Parse arguments under `if __name__ == "__main__":` only.'
+        ) from None
+    except (
+        BaseException
+    ) as e:  # a syntax error in the user's file, or an error it raises when imported
+        raise UserError(
+            f"{flag} {spec}: importing {module_name} for {flag} raised {type(e).__name__}: "
+            f"{e}{raised_at(e)}."
+        ) from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+        )
+        raise UserError(
+            f"{flag} {spec!r}: {module_name} ({getattr(module, '__file__', '?')}) has no function "
+            f"{fn_name!r}; its functions: {', '.join(found) or 'none'}."
+        )
+    return fn
+
+
+def raised_at(e):
+    """ " (file.py:12)": where an exception was raised, for a message; "" for a SyntaxError (it
+    names its place itself) and for one raised in support/ (sandbox.py's checks: about the value,
+    not user code)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if (
+        isinstance(e, SyntaxError)
+        or not frames
+        or os.path.dirname(os.path.abspath(frames[-1].filename))
+        == os.path.dirname(os.path.abspath(__file__))
+    ):
+        return ""
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
 
 
 def serve(inbox, outbox):
     """The child's loop: a request in, a reply out, until the trainer closes the pipe."""
     from support.errors import UserError
-    from support.sandbox import raised_at
 
     functions = []
 
