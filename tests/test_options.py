@@ -4,6 +4,7 @@ masked (--mask-truncated), DAPO's overlong reward, dynamic sampling, beam groups
 the run was launched (torchrun or alone) or for a --plot directory without metrics.
 """
 
+import functools
 import math
 import re
 import sys
@@ -372,9 +373,9 @@ def test_sapo_tau_below_1e_6_is_refused_and_at_1e_6_the_loss_and_gradient_are_fi
         torch.tensor([1.0, -1.0]),
         torch.ones(2, 2),
         beta=0,
-        surrogate="sapo",
-        sapo_tau_pos=args.sapo_tau_pos,
-        sapo_tau_neg=args.sapo_tau_neg,
+        surrogate=functools.partial(
+            grpo.sapo_objective, tau_pos=args.sapo_tau_pos, tau_neg=args.sapo_tau_neg
+        ),
     )
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logps.grad).all()
