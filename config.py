@@ -93,6 +93,11 @@ def build_parser():
     flag(g, "--beta", 0.04, float)(
         "KL coefficient; 0 skips the reference model entirely (none is loaded)"
     )
+    flag(g, "--ref-update-every", 0, int, metavar="K")(
+        "Algorithm 1's outer loop (iterative GRPO, DeepSeekMath 4.1.4): pi_ref <- pi_theta after "
+        "every K steps; 0: never (pi_ref stays the initial policy). Needs beta > 0; not with "
+        "LoRA or --fsdp"
+    )
     flag(g, "--epsilon", 0.2, float)("clip range: the ratio is clipped to [1-eps, 1+eps_high]")
     flag(g, "--epsilon-high", None, float)(
         "upper clip bound (DAPO clip-higher, arXiv 2503.14476); if not given, --epsilon"
@@ -552,6 +557,7 @@ def check(args):
         ("--max-resample", args.max_resample, 0),
         ("--overlong-buffer", args.overlong_buffer, 0),
         ("--lora-rank", args.lora_rank, 0),
+        ("--ref-update-every", args.ref_update_every, 0),
         ("--eval-seed", args.eval_seed, 0),
         ("--warmup-steps", args.warmup_steps, 0),
         ("--top-k", args.top_k, 0),
@@ -596,6 +602,19 @@ def check_option_flags(args):
             "that it would cap ratios the ordinary clip already handles."
         )
     check_objective_flags(args)
+    if args.ref_update_every and (args.beta == 0 or args.lora_rank or args.fsdp):
+        why = (
+            "at beta 0 there is no pi_ref (no KL term) to reset"
+            if args.beta == 0
+            else "with LoRA, pi_ref is the base model with the adapters off: resetting it would mean "
+            "merging the adapters into the base and starting fresh ones, which this run does not do"
+            if args.lora_rank
+            else "under --fsdp pi_ref is sharded like pi_theta, and the reset is not implemented there"
+        )
+        raise UserError(
+            f"--ref-update-every {args.ref_update_every}: {why}. Drop --ref-update-every (pi_ref then "
+            "stays the initial policy, as in one iteration of Algorithm 1)."
+        )
     if args.num_beams > 1 and args.num_beams < args.num_generations:
         raise UserError(
             f"--num-beams ({args.num_beams}) must be at least --num-generations "

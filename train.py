@@ -64,6 +64,7 @@ class Args:
     num_generations: int = arg(8, "G, completions per prompt (the group)")
     num_iterations: int = arg(1, "μ, GRPO iterations (AdamW steps) per batch")
     beta: float = arg(0.04, "β, the KL coefficient; 0: no π_ref at all")
+    ref_update_every: int = arg(0, "K: π_ref ← π_θ every K steps (Algorithm 1, line 2); 0: never")
     epsilon: float = arg(0.2, "ε, the clip range of the ratio")
     lr: float = arg(5e-5, "AdamW learning rate (linear decay to 0)")
     max_grad_norm: float = arg(1.0, "gradient clipping (global L2 norm); 0: none")
@@ -160,7 +161,7 @@ def setup(args, flags):
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     step = 0
     if resume_dir is not None:  # AdamW, the schedule and the RNG as saved; no NaN taken in
-        step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None)
+        step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None, ref_model)
         checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     log, evals = report.open_log(args.output_dir, step if resume_dir else None, flags)
     report.print_header(flags, model)
@@ -193,8 +194,9 @@ def with_reward_fns(task, specs):
 
 
 # --------------------------------------------------------------------------------------------------
-# Algorithm 1, iterative GRPO, with one outer iteration: the rewards are fixed functions (line 12,
-# training the reward model, has nothing to do) and π_ref stays π_θinit (line 2's loop runs once).
+# Algorithm 1, iterative GRPO. The rewards are fixed functions (line 12, training the reward model,
+# has nothing to do); line 2's outer loop starts a new iteration, π_ref ← π_θ, every
+# --ref-update-every K steps (0, the default: one iteration, π_ref stays π_θinit).
 
 
 def train(run, args):
@@ -234,6 +236,8 @@ def train(run, args):
                 updates.append(stats)
                 if old_logps is None and args.num_iterations > 1:
                     old_logps = logps  # iteration 1 ran before any update: π_old's log-probs
+            if args.ref_update_every and (step + 1) % args.ref_update_every == 0:
+                checkpoint.reset_reference(run.ref_model, model)  # lines 2-3: π_ref ← π_θ
             log_step(run, args, step + 1, rows, rollouts, reward, per_fn, updates, started)
             saved = save_if_due(run, args, step + 1)
             if STOPS.signum is not None:  # Ctrl-C, SIGTERM, SIGHUP: the step finished, is saved

@@ -43,9 +43,10 @@ OPTION_STATS = ("entropy_dropped", "sequences", "off_policy")
 
 
 def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
-    """Algorithm 1 with one outer iteration: the rewards are fixed functions, so line 12 (train the
-    reward model) has nothing to do and line 3's reference stays the initial policy. Returns the
-    evaluations [(step, {name: mean})]. `phases`: a timing hook (support/phases.py)."""
+    """Algorithm 1: the rewards are fixed functions, so line 12 (train the reward model) has
+    nothing to do; line 3's reference stays the initial policy, or with --ref-update-every K is
+    reset to π_θ every K steps (line 2's outer loop). Returns the evaluations [(step, {name:
+    mean})]. `phases`: a timing hook (support/phases.py)."""
     # 1: π_θ ← π_θinit (on --resume, the checkpoint's weights); 3: π_ref ← π_θinit (none if β = 0).
     with build_run(args, task, model, tokenizer, resume_dir, phases) as run:
         s, model, G = run.settings, run.model, run.settings.group_size
@@ -99,6 +100,8 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                         if old_logps is None and s.num_iterations > 1:
                             # Iteration 1 ran before any update: its log-probs are π_old's.
                             old_logps = logps
+                    if args.ref_update_every and (step + 1) % args.ref_update_every == 0:
+                        checkpoint.reset_reference(run.ref_model, run.model)  # lines 2-3
                     log_step(run, task, step + 1, scored, updates, dynamic)
                 # Save when due. A signal during the step (on any rank) stops here, saved.
                 stop = save_or_stop(run, task, step + 1)
@@ -317,7 +320,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
         torch.manual_seed(args.seed + 1000 * distributed.rank())
     step = 0
     if resume_dir is not None:
-        step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler)
+        step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler, ref_model)
         checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     if args.compile:  # the compiled decode's shapes, fixed for the run: two graphs, two KV caches
         length = decode_length(task, tokenizer, model, s.sampling)

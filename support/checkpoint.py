@@ -107,9 +107,10 @@ def load_policy(resume_dir, model, args):
     )
 
 
-def restore(resume_dir, args, optimizer, scheduler, scaler):
+def restore(resume_dir, args, optimizer, scheduler, scaler, ref_model=None):
     """A resumed run's AdamW state, LR schedule, fp16 loss scaler and this rank's RNG, after
-    checking that its flags are the checkpoint's. Returns the step the checkpoint was saved
+    checking that its flags are the checkpoint's, and π_ref as the checkpoint holds it after a
+    reset (--ref-update-every; ref_model: the run's). Returns the step the checkpoint was saved
     after."""
     state = load_state(resume_dir)
     check_same_flags(state["args"], args)
@@ -119,6 +120,8 @@ def restore(resume_dir, args, optimizer, scheduler, scaler):
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state.get("rngs", [state["rng"]])[distributed.rank()])  # this rank's own
+    if state.get("reference") is not None and ref_model is not None:  # --ref-update-every
+        ref_model.load_state_dict(state["reference"])
     print(f"resumed from {resume_dir} at step {state['step']}")
     steps = state["args"].get("steps")
     if steps is not None and steps != args.steps:
@@ -260,6 +263,24 @@ def check_same_flags(saved, args):
         )
 
 
+def reference_state(run, args, step):
+    """What π_ref is after `step` with --ref-update-every K (Algorithm 1's outer loop; None
+    without it, or before the first reset: then π_ref is π_θinit, rebuilt from the model): π_θ's
+    weights at a step that ends an iteration (step % K == 0: π_ref ← π_θ, whether or not the loop
+    has copied them yet), else the reference model's own. restore loads them back."""
+    K = getattr(args, "ref_update_every", 0)
+    if not K or step < K:
+        return None
+    source = run.model if step % K == 0 else run.ref_model
+    return {k: v.detach().cpu().clone() for k, v in source.state_dict().items()}
+
+
+def reset_reference(ref_model, model):
+    """π_ref ← π_θ (Algorithm 1, lines 2-3: a new iteration), in π_ref's own dtypes (the autocast
+    dtype for its parameters, as models.reference_model keeps them)."""
+    ref_model.load_state_dict(model.state_dict())
+
+
 def save_run(run, args, step, rng, final=False):
     """A checkpoint of the run after `step`. With LoRA the adapter, and also the merged model
     when the run ends here (the last step, an early stop, an interruption: `final`), so that the
@@ -277,6 +298,7 @@ def save_run(run, args, step, rng, final=False):
         rng=rng,
         rngs=rngs,
         args=vars(args),
+        reference=reference_state(run, args, step),
     )
     # FSDP2: gathered onto rank 0
     weights = distributed.full_state_dict(run.model) if args.fsdp else None

@@ -16,9 +16,21 @@ import torch
 from safetensors.torch import load_file
 
 import config
+import data
+import sampling
 import train
 import trainer
-from helpers import CPU, ROOT, read_metrics, tiny_model_dir, without_time, write_rows
+from helpers import (
+    CPU,
+    ROOT,
+    read_metrics,
+    tiny_llama,
+    tiny_model_dir,
+    tiny_rollouts,
+    without_time,
+    write_rows,
+)
+from support import checkpoint, models
 
 # The demo, short: 3 steps of 16 prompts x G = 8 with μ = 4 and β = 0.04 (the demo's defaults), an
 # evaluation of 20 questions before and after.
@@ -47,8 +59,9 @@ def assert_same_numbers(reference, full):
         [],  # the demo's defaults: μ = 4, β = 0.04, one micro-batch of 16 x 8
         ["--num-iterations", "2", "--beta", "0.1", "--micro-batch-size", "32"],
         ["--lora-rank", "8"],
+        ["--ref-update-every", "2", "--beta", "0.2"],  # π_ref reset after steps 2 (and 4, ...)
     ],
-    ids=["demo", "mu2-beta-micro-batches", "lora"],
+    ids=["demo", "mu2-beta-micro-batches", "lora", "ref-reset"],
 )
 def test_the_reference_and_the_trainer_agree_on_the_demo(tmp_path, extra):
     if "--lora-rank" in extra:
@@ -113,7 +126,7 @@ def test_sigterm_finishes_the_step_saves_it_and_resume_is_exact(tmp_path):
 
 def test_the_reference_takes_about_30_flags_each_with_one_line_of_help():
     fields = dataclasses.fields(train.Args)
-    assert len(fields) <= 31
+    assert len(fields) <= 31  # 30, and Algorithm 1's outer loop (--ref-update-every)
     assert all(f.metadata["help"] and "\n" not in f.metadata["help"] for f in fields)
 
 
@@ -187,3 +200,63 @@ def test_every_train_py_command_in_the_readme_and_docs_takes_train_py_flags_only
                 if flags - known or re.search(r"torchrun (?:[-\w=]+ )*train\.py", line):
                     wrong.append((name, command[:80], sorted(flags - known)))
     assert wrong == []
+
+
+@pytest.mark.slow
+def test_the_reference_reset_resumed_from_step_6_ends_bit_identical(tmp_path, monkeypatch):
+    # Algorithm 1's outer loop, K = 4: π_ref ← π_θ after steps 4 and 8. The run stopped in step 7
+    # resumes from step 6's checkpoint, whose π_ref (reset at step 4, not π_θinit and not π_θ at
+    # step 6) must come back with it: the KL of steps 7-12 depends on it.
+    argv = [*DEMO, "--steps", "12", "--ref-update-every", "4", "--eval-every", "-1"]
+    argv += ["--save-every", "6", "--beta", "0.2"]
+    train.main([*argv, "--output-dir", str(tmp_path / "straight")])
+    real = data.batch_at
+
+    def stop_in_step_7(rows, size, seed, step, *rest):
+        if step == 6:
+            raise KeyboardInterrupt
+        return real(rows, size, seed, step, *rest)
+
+    monkeypatch.setattr(data, "batch_at", stop_in_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([*argv, "--output-dir", str(tmp_path / "resumed")])
+    monkeypatch.setattr(data, "batch_at", real)
+    assert checkpoint.checkpoint_step(tmp_path / "resumed" / "checkpoint") == 6
+    train.main([*argv, "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    straight = without_time(read_metrics(tmp_path / "straight"))
+    assert without_time(read_metrics(tmp_path / "resumed")) == straight
+    assert len({row["kl"] for row in straight}) == 12  # the KL moves: β and the resets matter
+    first, second = (
+        load_file(d / "checkpoint" / "model.safetensors")
+        for d in (tmp_path / "straight", tmp_path / "resumed")
+    )
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_after_a_reset_pi_ref_gives_pi_thetas_log_probs():
+    model = tiny_llama()
+    ref = models.reference_model(model, 0.04, None, "cpu")
+    with torch.no_grad():  # π_θ moves away from π_ref, as training moves it
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    rollouts = tiny_rollouts(torch.ones(8, 5, dtype=torch.long))
+    policy = sampling.frozen_logps(model, rollouts, 4)
+    assert not torch.equal(sampling.frozen_logps(ref, rollouts, 4), policy)
+    checkpoint.reset_reference(ref, model)
+    assert torch.equal(sampling.frozen_logps(ref, rollouts, 4), policy)
+    assert not any(p.requires_grad for p in ref.parameters())  # still frozen
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        (["--beta", "0"], "at beta 0 there is no pi_ref"),
+        (["--lora-rank", "4"], "with LoRA, pi_ref is the base model with the adapters off"),
+        (["--ref-update-every", "-1"], "--ref-update-every must be at least 0"),
+    ],
+)
+def test_a_reset_that_cannot_be_done_is_one_paragraph_and_exit_2(extra, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.main([*CPU, "--demo", "--output-dir", "unused", "--ref-update-every", "4", *extra])
+    assert stop.value.code == 2
+    assert said in capsys.readouterr().err
