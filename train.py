@@ -229,13 +229,40 @@ def train(run, args):
                     run.ref_model, rollouts, micro, run.dtype, not args.gradient_checkpointing
                 )
             old_logps, updates = None, []  # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
+            mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
+            normalizer = float(grpo.loss_denominator(mask))  # N, the WHOLE batch's: 1/G Σ_i
             # 10: for GRPO iteration = 1, ..., μ
             for _ in range(args.num_iterations):
-                # 11: update π_θ by maximizing eq. 3 (one AdamW step)
-                stats, logps = grpo_update(run, args, rollouts, advantages, old_logps, ref_logps)
-                updates.append(stats)
+                # 11: update π_θ by maximizing eq. 3: forward and backward over micro-batches of
+                # whole groups (each loss over the whole batch's normalizer, so the gradients add
+                # up to the full batch's), then clip the gradient, one AdamW step, the schedule
+                model.train()
+                sums = dict.fromkeys(("loss", "entropy", "tokens", "kl", "clipped"), 0.0)
+                logps_now = torch.zeros(mask.shape, device=mask.device)  # π_θ's, before the step
+                lr = run.scheduler.get_last_lr()[0]
+                run.optimizer.zero_grad(set_to_none=True)
+                for part in sampling.micro_batches(len(mask), micro):
+                    ids, attn, keep = sampling.micro_batch_inputs(rollouts, part)  # no pad columns
+                    m, cut = mask[part, :keep], lambda x: None if x is None else x[part, :keep]
+                    with sampling.autocast(ids.device, run.dtype):
+                        # log π_θ(o_i,t | q, o_i,<t) with grad [n, keep], and π_θ's entropy there
+                        logps, entropy = sampling.token_logprobs(
+                            model, ids, attn, keep, rollouts.temperature, entropy=True, group_size=G
+                        )
+                        logps_now[part, :keep] = logps.detach()
+                        sums["entropy"] += (entropy * m).sum().item()
+                        stats = {}
+                        loss = grpo.grpo_loss(  # -J(θ) of eq. 3 on this micro-batch
+                            logps, cut(old_logps), cut(ref_logps), advantages[part], m,
+                            epsilon=args.epsilon, beta=args.beta, normalizer=normalizer, stats=stats,
+                        )  # fmt: skip
+                        loss.backward()
+                    sums["loss"] += loss.item()
+                    for k in ("tokens", "kl", "clipped"):
+                        sums[k] += stats[k]
+                updates.append(optimizer_step(run, args, sums, lr))
                 if old_logps is None and args.num_iterations > 1:
-                    old_logps = logps  # iteration 1 ran before any update: π_old's log-probs
+                    old_logps = logps_now  # iteration 1 ran before any update: π_old's log-probs
             if args.ref_update_every and (step + 1) % args.ref_update_every == 0:
                 checkpoint.reset_reference(run.ref_model, model)  # lines 2-3: π_ref ← π_θ
             log_step(run, args, step + 1, rows, rollouts, reward, per_fn, updates, started)
@@ -269,47 +296,18 @@ def score(task, rows, completions, G):
     return sum(r.weight * per_fn[r.name] for r in task.rewards), per_fn
 
 
-def grpo_update(run, args, rollouts, advantages, old_logps, ref_logps):
-    """Line 11: one AdamW step maximizing eq. 3 on the rollouts. Forward and backward over
-    micro-batches of whole groups, each loss divided by the WHOLE batch's denominator (so the
-    gradients add up to the full batch's); then clip the gradient, AdamW, the LR schedule. A loss
-    or gradient that is not finite skips the step: no NaN reaches the weights. Returns the step's
-    statistics and π_θ's log-probs before it [N, C] (π_old's, for the iterations after)."""
-    model, optimizer, G = run.model, run.optimizer, args.num_generations
-    model.train()
-    mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
-    normalizer = float(grpo.loss_denominator(mask))  # N: eq. 3's 1/G Σ_i over the whole batch
-    micro = args.micro_batch_size or args.batch_size * G
-    sums = dict.fromkeys(("loss", "entropy", "tokens", "kl", "clipped"), 0.0)
-    logps_before = torch.zeros(mask.shape, device=mask.device)
-    lr = run.scheduler.get_last_lr()[0]
-    optimizer.zero_grad(set_to_none=True)
-    for rows in sampling.micro_batches(mask.shape[0], micro):
-        ids, attn, keep = sampling.micro_batch_inputs(rollouts, rows)  # no all-padding columns
-        m, cut = mask[rows, :keep], lambda x: None if x is None else x[rows, :keep]
-        with sampling.autocast(ids.device, run.dtype):
-            logps, entropy = sampling.token_logprobs(
-                model, ids, attn, keep, rollouts.temperature, entropy=True, group_size=G
-            )  # log π_θ(o_i,t | q, o_i,<t) with grad [n, keep], and the entropy of π_θ there
-            logps_before[rows, :keep] = logps.detach()
-            sums["entropy"] += (entropy * m).sum().item()
-            stats = {}
-            loss = grpo.grpo_loss(
-                logps, cut(old_logps), cut(ref_logps), advantages[rows], m,
-                epsilon=args.epsilon, beta=args.beta, normalizer=normalizer, stats=stats,
-            )  # fmt: skip
-            loss.backward()
-        sums["loss"] += loss.item()
-        for k in ("tokens", "kl", "clipped"):
-            sums[k] += stats[k]
+def optimizer_step(run, args, sums, lr):
+    """The end of line 11: clip the gradient's global norm, one AdamW step and the LR schedule. A
+    loss or gradient norm that is not finite skips the step instead (no NaN reaches the weights;
+    three in a row stop the run, saved). Returns the update's statistics, per token."""
     limit = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), limit))
     skipped = None if math.isfinite(sums["loss"]) else "non-finite loss"
     skipped = skipped or (None if math.isfinite(grad_norm) else "non-finite gradient norm")
     if skipped is None:
-        optimizer.step()
+        run.optimizer.step()
         run.scheduler.step()
-    optimizer.zero_grad(set_to_none=True)  # frees the gradients before the next generation
+    run.optimizer.zero_grad(set_to_none=True)  # frees the gradients before the next generation
     run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
     if run.skipped_in_a_row >= 3:
         raise UserError(f"3 updates in a row were skipped ({skipped}): lower --lr, check rewards")
@@ -317,7 +315,7 @@ def grpo_update(run, args, rollouts, advantages, old_logps, ref_logps):
     return dict(
         loss=sums["loss"], kl=sums["kl"] / tokens, clip_frac=sums["clipped"] / tokens,
         entropy=sums["entropy"] / tokens, grad_norm=grad_norm, lr=lr, skipped=skipped,
-    ), logps_before  # fmt: skip
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
