@@ -406,6 +406,7 @@ def test_a_compiled_decode_forces_the_same_tokens():
     assert r.completion_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
 
 
+@pytest.mark.slow
 def test_tool_heldout_evaluates_a_model_dir_on_larger_operands_with_the_tasks_reward(
     tmp_path, capsys
 ):
