@@ -427,6 +427,11 @@ ADDITION_DEFAULTS = dict(
     save_every=0,
 )
 
+# --task multiplication --tool calculator: the call, the result and the answer in its tags take 51
+# to 53 tokens at the task's operands (SmolLM2's tokenizer, EOS included; 61 at 4 x 3 digits), so
+# 96 leaves room to spare (docs/tools.md). 48 cut the answer (issue 43).
+MULTIPLICATION_TOOL_DEFAULTS = dict(max_new_tokens=96)
+
 
 def parse_args(argv=None):
     """Parse and check the flags, then fill in the run-time values (device, dtype, output dir)."""
@@ -436,6 +441,8 @@ def parse_args(argv=None):
     defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if builtin else {}
     if args.demo and args.tool:
         defaults = {**defaults, **DEMO_TOOL_DEFAULTS}
+    elif args.task == "multiplication" and args.tool:
+        defaults = {**defaults, **MULTIPLICATION_TOOL_DEFAULTS}
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)

@@ -366,13 +366,17 @@ MULTIPLICATION_ROWS = 5000
 # T = 0.7): the syntax in the system prompt alone, 0-4% of completions called the tool; with this
 # exchange, 27% did and 16% were right; with an exchange that answers at once, 70% called: too
 # few errors left for GRPO to show what it adds.
+# The answer goes in <answer>...</answer> and only there (rewards.model_answer): a completion that
+# the budget cuts before "</answer>" has no answer, never a wrong one (issue 43). With the last
+# number as the answer, a cut in the restatement ("So 2824 x 984 = ") scored the operand 984.
 TOOL_SYSTEM_PROMPT = (
     "You can use a calculator: write <tool>calculator EXPRESSION</tool> and the result appears as "
-    "<result>VALUE</result>."
+    "<result>VALUE</result>. Give your final answer as <answer>NUMBER</answer>."
 )
 TOOL_EXAMPLE = (
     "What is 12 x 34?",
-    "Let me use the calculator. <tool>calculator 12*34</tool><result>408</result> So 12 x 34 = 408.",
+    "Let me use the calculator. <tool>calculator 12*34</tool><result>408</result> So 12 x 34 = "
+    "<answer>408</answer>.",
 )
 
 
@@ -393,29 +397,62 @@ def tool_prompt(tokenizer, question):
     return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
+def multiplication_row(a, b):
+    """One row of the multiplication task: "What is A x B?" and A*B."""
+    return {"prompt": f"What is {a} x {b}?", "answer": str(a * b)}
+
+
 def multiplication_rows(seed=MULTIPLICATION_SEED, count=MULTIPLICATION_ROWS, held_out=200):
     """(train rows, held-out rows) of the multiplication task: {"prompt": "What is A x B?",
     "answer": "A*B"} for `count` distinct pairs drawn with Python's random.Random(seed)."""
     rng = random.Random(seed)
     pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], count)
-    rows = [{"prompt": f"What is {a} x {b}?", "answer": str(a * b)} for a, b in pairs]
+    rows = [multiplication_row(a, b) for a, b in pairs]
     return rows[held_out:], rows[:held_out]
 
 
-def multiplication_task(with_tools):
-    """--task multiplication: its generated rows in the chat template, scored by the completion's
-    last number (a tool's result counts: the completion holds it). with_tools: the prompt that
-    shows the calculator's call (tool_prompt); without, the question alone."""
+# Held-out questions with larger operands than the task's (docs/tools.md): 4-digit x 3-digit
+# products, never trained on (the task's operands have 3 and 2 digits), from their own seed.
+LARGER_SEED = 43
+
+
+def larger_multiplication_rows(digits=(4, 3), count=200, seed=LARGER_SEED):
+    """`count` distinct rows "What is A x B?" with A of digits[0] digits and B of digits[1], drawn
+    with random.Random(seed): held-out questions beyond the task's operands
+    (scripts/tool_heldout.py)."""
+    rng, pairs = random.Random(seed), {}
+    a_range, b_range = [(10 ** (d - 1), 10**d - 1) for d in digits]
+    if count > (a_range[1] - a_range[0] + 1) * (b_range[1] - b_range[0] + 1):
+        raise ValueError(f"fewer than {count} pairs of {digits[0]} and {digits[1]} digits")
+    while len(pairs) < count:  # a dict keeps the order of the draws
+        pairs.setdefault((rng.randint(*a_range), rng.randint(*b_range)))
+    return [multiplication_row(a, b) for a, b in pairs]
+
+
+def multiplication_task(with_tools, eval_rows=None):
+    """--task multiplication: its generated rows in the chat template. with_tools: the prompt that
+    shows the calculator's call and the answer's tags (tool_prompt), scored by the answer in
+    <answer>...</answer> (rewards.model_answer_reward: a truncated completion scores 0, never by
+    the number the cut left last); without, the question alone, scored by the completion's last
+    number. eval_rows: held-out rows in place of the task's own (scripts/tool_heldout.py)."""
     train, test = multiplication_rows()
     generated = f"generated (--task multiplication, seed {MULTIPLICATION_SEED})"
+    eval_from = f"{generated[:-1]}, pairs never trained on)"
+    if eval_rows is not None:
+        test, eval_from = eval_rows, "given (larger operands than the task's)"
+    if with_tools:
+        template, reward, extract = tool_prompt, rewards.model_answer_reward, rewards.model_answer
+    else:
+        template = functools.partial(chat_prompt, system_prompt="")
+        reward, extract = rewards.last_number_reward, rewards.last_number
     return Task(
         train=train,
         eval=test,
-        template=tool_prompt if with_tools else functools.partial(chat_prompt, system_prompt=""),
-        rewards=rewards.weighted([("correctness", rewards.last_number_reward)], [1.0]),
-        extract_answer=rewards.last_number,
+        template=template,
+        rewards=rewards.weighted([("correctness", reward)], [1.0]),
+        extract_answer=extract,
         train_from=generated,
-        eval_from=f"{generated[:-1]}, pairs never trained on)",
+        eval_from=eval_from,
     )
 
 

@@ -110,6 +110,42 @@ def last_number(completion: str) -> str | None:
     return None if last is None else _number_text(last)
 
 
+# A tool's result as tools.py forces it into a completion (tools.RESULT_OPEN, tools.RESULT_CLOSE;
+# a test checks they agree). Not imported: this module stays free of torch.
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+
+
+def without_results(completion: str) -> str:
+    """The completion with every tool result taken out: each span from "<result>" to the next
+    "</result>" (or to the end, where a budget cut the result), markers included. What is left is
+    what the model wrote. Linear in the length of the text."""
+    kept, position = [], 0
+    while (start := completion.find(RESULT_OPEN, position)) != -1:
+        kept.append(completion[position:start])
+        end = completion.find(RESULT_CLOSE, start + len(RESULT_OPEN))
+        if end == -1:
+            return "".join(kept)
+        position = end + len(RESULT_CLOSE)
+    kept.append(completion[position:])
+    return "".join(kept)
+
+
+def model_answer(completion: str) -> str | None:
+    """The answer the model committed to, in a completion that may call tools: the last number in
+    its last complete <answer>...</answer> block (extract_answer), with the tools' results taken
+    out first (without_results), else None. The answer of --task multiplication --tool calculator.
+
+    A cut cannot corrupt it. A budget that cuts the completion before "</answer>" leaves no
+    answer (None, scored 0), never a wrong one: not the operand before the cut, not the first
+    digits of the product. And the tool's result is never the answer by itself: a model that
+    calls the right expression and then runs out of budget, or never answers, has answered
+    nothing. A result that holds "<answer>" (from a tool of your own) does not count either.
+    """
+    if not isinstance(completion, str):
+        return None
+    return extract_answer(without_results(completion))
+
+
 def _parse_reference(answer) -> Decimal | None:
     """A reference answer ("18", "1,234", "-3", "0.5", an int) as a Decimal; None if no number."""
     match = _NUMBER.fullmatch(str(answer).strip())
@@ -125,6 +161,13 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
 def last_number_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 where the completion's last number equals the reference, else 0.0 (--task addition)."""
     return _same_number(map(last_number, completions), answers)
+
+
+def model_answer_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where the completion's model_answer equals the reference, else 0.0 (--task
+    multiplication --tool calculator): a completion without a complete <answer> block of its own
+    scores 0, truncated or not."""
+    return _same_number(map(model_answer, completions), answers)
 
 
 def _same_number(predictions, answers):

@@ -6,12 +6,14 @@ written under tmp_path; nothing is downloaded.
 import io
 import json
 import os
+import re
 import urllib.error
 
 import pytest
 
 import config
 import data
+import rewards
 import sampling
 import trainer
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k
@@ -364,6 +366,69 @@ def test_addition_rows_are_deterministic_and_held_out_pairs_are_never_trained_on
         "What is 42 + 44?",
     ]
     assert data.addition_rows(seed=1) != (train_rows, held_out)
+
+
+def test_task_multiplication_with_the_calculator_reads_the_answer_tags_within_a_96_token_budget():
+    """Issue 43: the tool task's prompt shows the answer in <answer> tags and its reward reads
+    only those (rewards.model_answer), with a budget of 96 new tokens (48 without the tool)."""
+    args = config.parse_args(
+        ["--task", "multiplication", "--tool", "calculator", "--device", "cpu"]
+    )
+    assert args.max_new_tokens == 96  # was 48: the restatement's answer was cut
+    assert config.parse_args(["--task", "multiplication", "--device", "cpu"]).max_new_tokens == 48
+    task = data.task_from_flags(args)
+    assert (len(task.train), len(task.eval)) == (4800, 200)
+    assert [(r.name, r.fn) for r in task.rewards] == [("correctness", rewards.model_answer_reward)]
+    prompt = task.prompt(demo.word_tokenizer(demo.WORDS), "What is 347 x 28?")
+    assert "Give your final answer as <answer>NUMBER</answer>." in prompt
+    assert "So 12 x 34 = <answer>408</answer>." in prompt and prompt.endswith("What is 347 x 28?\n")
+    # the example's own reply is what the reward asks for; cut before "</answer>", it scores 0
+    reply = data.TOOL_EXAMPLE[1]
+    assert task.extract_answer(reply) == "408"
+    assert rewards.model_answer_reward([reply, reply[: reply.index("</answer>")]], [408, 408]) == [
+        1.0,
+        0.0,
+    ]
+    # without the tool: the question alone, the last number
+    plain = data.task_from_flags(config.parse_args(["--task", "multiplication", "--device", "cpu"]))
+    assert [r.fn for r in plain.rewards] == [rewards.last_number_reward]
+
+
+def test_larger_multiplication_rows_are_distinct_pairs_of_the_digits_asked_for():
+    rows = data.larger_multiplication_rows()
+    assert len(rows) == 200 and len({r["prompt"] for r in rows}) == 200
+    for row in rows:
+        a, b = map(int, re.fullmatch(r"What is (\d+) x (\d+)\?", row["prompt"]).groups())
+        assert 1000 <= a <= 9999 and 100 <= b <= 999 and row["answer"] == str(a * b)
+    assert rows[0] == {"prompt": "What is 1631 x 392?", "answer": "639352"}  # pinned: seed 43
+    assert data.larger_multiplication_rows((1, 1), count=81)[-1]["prompt"].startswith("What is")
+    with pytest.raises(ValueError, match="fewer than 82 pairs"):
+        data.larger_multiplication_rows((1, 1), count=82)
+    task = data.multiplication_task(True, eval_rows=rows)
+    assert task.eval == rows and task.eval_from == "given (larger operands than the task's)"
+
+
+# A real tokenizer for the budget's token counts: GRPO_SMOLLM2 names a SmolLM2 model directory
+# (or a hub id in the local cache); without it, the test is skipped.
+SMOLLM2 = os.environ.get("GRPO_SMOLLM2")
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="set GRPO_SMOLLM2 to a SmolLM2 model directory")
+def test_the_tool_tasks_budget_fits_the_call_the_result_and_the_answer_with_room_to_spare():
+    """The example's reply, with the task's largest operands and with 4 x 3 digits, EOS
+    included: 53 and 61 tokens in SmolLM2's tokenizer, under the budget of 96."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    budget = config.MULTIPLICATION_TOOL_DEFAULTS["max_new_tokens"]
+
+    def tokens(a, b):
+        reply = data.TOOL_EXAMPLE[1].replace("12*34", f"{a}*{b}").replace("12 x 34", f"{a} x {b}")
+        reply = reply.replace("408", str(a * b))
+        return len(tokenizer(reply, add_special_tokens=False)["input_ids"]) + 1
+
+    assert [tokens(999, 99), tokens(9999, 999)] == [53, 61]
+    assert tokens(999, 99) * 1.5 < budget
 
 
 def test_task_addition_builds_its_task_and_refuses_a_data_file(tmp_path):

@@ -38,6 +38,10 @@ def check_all_rewards(completions: list[str]) -> None:
         assert type(f) is float and f in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
         answer = extract_answer(completion)
         assert answer is None or isinstance(answer, str)
+    for r, completion in zip(rewards.model_answer_reward(completions, answers), completions):
+        assert type(r) is float and r in (0.0, 1.0)
+        answer = rewards.model_answer(completion)
+        assert answer is None or isinstance(answer, str)
 
 
 EXTREMES = [
@@ -251,6 +255,8 @@ def test_fuzz_10000_random_strings_of_tags_digits_and_noise():
         "</think>",
         "<answer>",
         "</answer>",
+        "<result>",
+        "</result>",
         "<answer",
         "answer>",
         "<",
@@ -687,3 +693,72 @@ def test_last_number_never_raises_on_garbage(completion):
     (reward,) = rewards.last_number_reward([completion], ["42"])
     assert type(reward) is float and reward in (0.0, 1.0)
     assert rewards.last_number_reward([completion], [None]) == [0.0]  # no reference: never right
+
+
+# --- the calculator task's answer: only a complete <answer> block the model wrote -----------------
+
+# The issue 43 completion, 56 tokens in SmolLM2's tokenizer; the old budget of 48 ended it at "= ".
+CALL = "Let's use the calculator. <tool>calculator 2824*984</tool><result>2778816</result>"
+
+
+@pytest.mark.parametrize(
+    "completion, last, answer",
+    [
+        # cut in the restatement: the last number is the operand, the model has not answered
+        (CALL + " So 2824 x 984 = ", "984", None),
+        # cut just after the result: the last number is the tool's, not an answer the model gave
+        (CALL + " So", "2778816", None),
+        # cut inside the answer or its closing tag: never the first digits as an answer
+        (CALL + " So 2824 x 984 = <answer>27788", "27788", None),
+        (CALL + " So 2824 x 984 = <answer>2778816</ans", "2778816", None),
+        # the budget cut the result itself (no "</result>"): nothing after it is the model's
+        ("<tool>calculator 2824*984</tool><result>27788", "27788", None),
+        # complete: the answer counts, and a cut after "</answer>" cannot change it
+        (CALL + " So 2824 x 984 = <answer>2778816</answer>.", "2778816", "2778816"),
+        (CALL + " So 2824 x 984 = <answer>2778816</answer>. Now 12 x", "12", "2778816"),
+        # the last complete block counts; a later one the cut left open does not
+        (CALL + " <answer>2778815</answer> no, <answer>27", "27", "2778815"),
+        # a tool's result is not the model's answer, even one that holds the tags
+        ("<tool>t x</tool><result><answer>2778816</answer></result> So", "2778816", None),
+        (
+            "<tool>t x</tool><result><answer>1</answer></result><answer>2778816</answer>",
+            "2778816",
+            "2778816",
+        ),
+        # no tool: the block alone
+        ("<answer>2,778,816</answer>", "2778816", "2778816"),
+    ],
+)
+def test_the_tool_tasks_answer_is_a_complete_block_the_model_wrote_so_a_cut_leaves_none(
+    completion, last, answer
+):
+    assert rewards.last_number(completion) == last  # what the last-number reward read
+    assert rewards.model_answer(completion) == answer
+    expected = 1.0 if answer == "2778816" else 0.0
+    assert rewards.model_answer_reward([completion], ["2778816"]) == [expected]
+
+
+def test_a_truncated_completion_scores_0_with_the_tool_tasks_reward_wherever_the_cut_falls():
+    """Every prefix of a right, complete completion: the last-number reward's score depends on
+    where the cut falls (right after the result, inside the answer's number: 1; in the
+    restatement: 0); model_answer_reward scores 0 until "</answer>" is there, then 1."""
+    whole = CALL + " So 2824 x 984 = <answer>2778816</answer>."
+    closed = whole.index("</answer>") + len("</answer>")
+    cuts = [whole[:n] for n in range(len(whole) + 1)]
+    by_model = rewards.model_answer_reward(cuts, ["2778816"] * len(cuts))
+    assert by_model == [float(n >= closed) for n in range(len(whole) + 1)]
+    by_last = rewards.last_number_reward(cuts[:closed], ["2778816"] * closed)
+    assert 0.0 in by_last and 1.0 in by_last  # the old reward: right or wrong by where it was cut
+
+
+def test_without_results_takes_out_every_result_and_a_cut_one_to_the_end():
+    assert rewards.without_results("a<result>1</result>b<result>2</result>c") == "abc"
+    assert rewards.without_results("a<result>1</result>b<result>2") == "ab"
+    assert rewards.without_results("no results </result> here") == "no results </result> here"
+    assert rewards.without_results("<result>" * 100_000) == ""  # linear: no rescan per marker
+
+
+def test_the_result_markers_are_the_ones_tools_forces():
+    import tools
+
+    assert (rewards.RESULT_OPEN, rewards.RESULT_CLOSE) == (tools.RESULT_OPEN, tools.RESULT_CLOSE)

@@ -444,3 +444,24 @@ def test_a_compiled_decode_forces_the_same_tokens():
     words = "<tool> calc </tool> <result> 12 12 </result> 12 <eos>".split()
     assert r.input_ids[0, r.prompt_length :].tolist() == [ID[w] for w in words]
     assert r.completion_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.slow
+def test_tool_heldout_evaluates_a_model_dir_on_larger_operands_with_the_tasks_reward(
+    tmp_path, capsys
+):
+    """scripts/tool_heldout.py (docs/tools.md's held-out numbers at 4 x 3 digits): the task's
+    prompt and reward on data.larger_multiplication_rows, --eval-only's report; a bad --operands
+    is one line."""
+    from helpers import tiny_model_dir
+    from scripts import tool_heldout
+
+    model = tiny_model_dir(tmp_path)
+    flags = ["--model", model, "--device", "cpu", "--eval-limit", "2", "--eval-samples", "2"]
+    result = tool_heldout.main([*flags, "--max-new-tokens", "4", "--operands", "2x2"])
+    out = capsys.readouterr().out
+    assert "held-out: 2-digit x 2-digit products, seed 43" in out
+    assert "held-out 2 rows (the first 2 of 200) from given (larger operands" in out
+    assert {"correctness", "correctness_pass@2", "correctness_maj@2", "tool_use"} <= set(result)
+    with pytest.raises(SystemExit, match="--operands takes AxB"):
+        tool_heldout.main([*flags, "--operands", "4by3"])
