@@ -239,8 +239,11 @@ def test_a_hung_reward_function_stops_the_run_at_the_reward_timeout_saves_and_ex
     ) in err
     assert "--reward-timeout SECONDS (0: no limit)" in err
     # 1 s, the worker killed (SIGTERM ends both at once), then the checkpoint of a tiny model
-    # (well under a second); 4 s of slack for a busy CPU
-    assert 1.0 <= stopped_after < 5.0, stopped_after
+    # (well under a second); 4 s of slack for a busy CPU. The limit runs from the trainer's send,
+    # and the function starts (writes entered.txt) only once the worker has read and unpickled the
+    # call: on a loaded machine that is tens of milliseconds later (CI saw 0.998 s from entry to
+    # the end), so the lower bound allows 0.1 s of it
+    assert 0.9 <= stopped_after < 5.0, stopped_after
     assert checkpoint.load_state(str(tmp_path / "run" / "checkpoint"))["step"] == 0
     # the test's own alarm untouched (the worker's limit is kept from outside, without SIGALRM)
     assert signal.getsignal(signal.SIGALRM) is safety_alarm
