@@ -27,7 +27,6 @@ import typing
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 from transformers import get_scheduler, set_seed
 
@@ -326,40 +325,16 @@ def log_step(run, args, done, rows, rollouts, reward, per_fn, updates, started):
     """Step `done`'s metrics: one line in OUTPUT_DIR/metrics.jsonl (the μ updates' mean), the
     progress line, and every 10 steps the first completion."""
     run.times.append(time.time() - started)
-    lengths, groups = rollouts.lengths.float(), reward.view(-1, args.num_generations)
-    skips = [u["skipped"] for u in updates if u["skipped"]]
-
-    def mean(key):
-        return float(np.mean([u[key] for u in updates]))
-
-    m = dict(
-        loss=mean("loss"),
-        reward=reward.mean().item(),
-        reward_std=reward.std().item(),
-        **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
-        **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
-        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
-        kl=mean("kl"),
-        clip_frac=mean("clip_frac"),
-        entropy=mean("entropy"),
-        grad_norm=mean("grad_norm"),
-        completion_len_mean=lengths.mean().item(),
-        completion_len_max=int(lengths.max()),
-        frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
-        frac_truncated=rollouts.truncated.float().mean().item(),
-        lr=updates[0]["lr"],
-        step_time=run.times[-1],
-        tokens_per_s=lengths.sum().item() / run.times[-1],
-        eta_s=float(np.mean(run.times) * (args.steps - done)),
-        skipped_nonfinite=len(skips),
-        **({"skip_reason": skips[0]} if skips else {}),
-    )
+    m = report.step_metrics(  # the same fields, computed the same way, as trainer.py's
+        reward, per_fn, rollouts.lengths, rollouts.truncated, args.num_generations, updates,
+        run.times, args.steps - done, run.scheduler,
+    )  # fmt: skip
     write_row(run, {"step": done, **m})
     print(
         f"step {done}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | kl "
         f"{m['kl']:.4f} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f} | "
         f"zero-std {m['frac_zero_std']:.2f} | {m['step_time']:.2f}s | eta {m['eta_s']:.0f}s"
-        + (f" | SKIPPED: {skips[0]}" if skips else ""),
+        + (f" | SKIPPED: {m['skip_reason']}" if m["skipped_nonfinite"] else ""),
         flush=True,
     )
     if done % 10 == 0:
