@@ -941,9 +941,10 @@ def main(argv=None):
         return evaluate_only(args, task, model, tokenizer, resume_dir)
     except UserError as e:
         # once under torchrun: rank 0's, and a rank's own error (a reward function's) where it is
-        if distributed.launched_rank() == 0 or getattr(e, "own", False):
+        says_it = distributed.launched_rank() == 0 or getattr(e, "own", False)
+        if says_it:
             print(f"error: {e}", file=sys.stderr)
-        exit_every_rank_alike(2)
+        exit_every_rank_alike(2, after_rank_0=not says_it)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
@@ -959,11 +960,17 @@ def main(argv=None):
         exit_every_rank_alike(2)
 
 
-def exit_every_rank_alike(code):
+def exit_every_rank_alike(code, after_rank_0=False):
     """SystemExit(code). Under torchrun, the first rank to exit makes torchrun SIGTERM the others:
-    they ignore it from here on, so every rank prints what it has to and exits with `code`."""
+    they ignore it from here on, so every rank prints what it has to and exits with `code`.
+    after_rank_0: a rank that leaves the saying to rank 0 waits (up to a minute) for the SIGTERM
+    that rank 0's exit brings; exiting first, it would have torchrun stop rank 0 before it spoke."""
     if distributed.launched_world() > 1:
+        if after_rank_0:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            signal.sigtimedwait({signal.SIGTERM}, 60)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     raise SystemExit(code) from None
 
 
