@@ -47,12 +47,14 @@ def build_parser():
         "(SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, with or without -Instruct; -> "
         "HuggingFaceTB/...)"
     )
-    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition", "multiplication"])(
+    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition", "multiplication", "chain"])(
         "gsm8k: GSM8K (or your own JSONL with --prompt-field/--answer-field); addition: the "
         "built-in two-digit addition task (data.addition_rows: generated, no download; its "
         "defaults are ADDITION_DEFAULTS); multiplication: three-digit times two-digit numbers, "
         "the built-in task for --tool calculator (its system prompt shows the call; defaults: "
-        "ADDITION_DEFAULTS)"
+        "ADDITION_DEFAULTS); chain: sums of three two-digit numbers worked one equation per line, "
+        "scored by the answer and each equation (process supervision; --reward-fn last-number: "
+        "the answer alone; defaults: ADDITION_DEFAULTS, CHAIN_DEFAULTS)"
     )
     flag(g, "--data", None)(
         "train rows: a JSONL file, or a Hugging Face dataset as SOURCE[:CONFIG][@SPLIT] (a Hub id, "
@@ -171,9 +173,10 @@ def build_parser():
     g = p.add_argument_group("rewards")
     flag(g, "--reward-fn", [], action="append", metavar="MODULE:FUNCTION")(
         "a reward function fn(completions, answers, **fields) -> list of floats, e.g. "
-        "my_rewards:brevity (./my_rewards.py), or a built-in: correctness, format; repeatable. "
-        "Given, it replaces the task's own rewards (GSM8K: correctness and format; demo: "
-        "correctness)"
+        "my_rewards:brevity (./my_rewards.py), or a built-in: correctness, format (GSM8K's), "
+        "last-number, equations (a process reward: one step per equation written; "
+        "process_supervision.py); repeatable. Given, it replaces the task's own rewards (GSM8K: "
+        "correctness and format; demo: correctness; chain: last-number and equations)"
     )
     flag(g, "--extract-answer", None, metavar="MODULE:FUNCTION")(
         "for maj@k in evaluation: fn(completion) -> the answer it gives (a string) or None, e.g. "
@@ -433,16 +436,23 @@ ADDITION_DEFAULTS = dict(
 MULTIPLICATION_TOOL_DEFAULTS = dict(max_new_tokens=96)
 
 
+# --task chain: two equations and the answer's sentence take about 30 tokens (SmolLM2's
+# tokenizer); 64 leave room for a longer working.
+CHAIN_DEFAULTS = dict(max_new_tokens=64)
+
+
 def parse_args(argv=None):
     """Parse and check the flags, then fill in the run-time values (device, dtype, output dir)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    builtin = args.task in ("addition", "multiplication")
+    builtin = args.task in ("addition", "multiplication", "chain")
     defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if builtin else {}
     if args.demo and args.tool:
         defaults = {**defaults, **DEMO_TOOL_DEFAULTS}
     elif args.task == "multiplication" and args.tool:
         defaults = {**defaults, **MULTIPLICATION_TOOL_DEFAULTS}
+    elif args.task == "chain":
+        defaults = {**defaults, **CHAIN_DEFAULTS}
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
@@ -716,7 +726,7 @@ def check_task_flags(args):
             f"--demo brings its own task; drop --{custom[0].replace('_', '-')} (--reward-fn and "
             "--reward-model do work with --demo)."
         )
-    if args.task in ("addition", "multiplication") and (args.demo or custom):
+    if args.task in ("addition", "multiplication", "chain") and (args.demo or custom):
         drop = "--demo" if args.demo else "--" + custom[0].replace("_", "-")
         raise UserError(
             f"--task {args.task} generates its own rows, prompts and rewards; drop {drop} "

@@ -72,13 +72,14 @@ class Task:
         """The names of the task's fields (train and held-out rows), computed once."""
         return field_names(self.train + self.eval)
 
-    def score(self, rows, completions, G=1, lengths=None, tool_calls=None):
+    def score(self, rows, completions, G=1, lengths=None, tool_calls=None, steps=None):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G
         first, as sampled) and each function's {name: [N]}. The functions see the responses (prefix
         + completion) and each row's answer, and, when they declare them, its prompt (`prompts`) and
         its other fields, G times each, each completion's token count (`completion_lengths`, from
         `lengths` [N]) and its number of tool calls (`tool_calls`, from `tool_calls` [N]; 0 each
-        when the task has no tools)."""
+        when the task has no tools). steps: a dict that receives a process reward's steps
+        (rewards.score)."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
@@ -89,9 +90,8 @@ class Task:
             columns["completion_lengths"] = [int(n) for n in lengths]
         calls = [0] * len(rows) if tool_calls is None else [int(n) for n in tool_calls]
         columns["tool_calls"] = calls
-        return rewards.score(
-            self.rewards, self.responses(completions), [row["answer"] for row in rows], **columns
-        )
+        responses, answers = self.responses(completions), [row["answer"] for row in rows]
+        return rewards.score(self.rewards, responses, answers, steps, **columns)
 
 
 def field_names(rows):
@@ -456,6 +456,67 @@ def multiplication_task(with_tools, eval_rows=None):
     )
 
 
+# --task chain: "What is A + B + C?" for A, B, C in [10, 99], worked as one equation per line, each
+# checked by the calculator (rewards.equation_steps, a process reward: DeepSeekMath §4.1.3) beside
+# the final answer's correctness. The prompt shows one worked exchange, as the tool task's does;
+# the pilot that chose it is in docs/process.md.
+CHAIN_SEED = 0
+CHAIN_ROWS = 5000
+CHAIN_TERMS = 3
+CHAIN_RANGE = (10, 99)
+CHAIN_SYSTEM_PROMPT = (
+    "Add the numbers one at a time. Write each addition as an equation on its own line, then the "
+    "final answer."
+)
+CHAIN_EXAMPLE = ("What is 14 + 25 + 31?", "14 + 25 = 39\n39 + 31 = 70\nThe answer is 70.")
+
+
+def chain_rows(seed=CHAIN_SEED, count=CHAIN_ROWS, held_out=200, terms=CHAIN_TERMS):
+    """(train rows, held-out rows) of --task chain: {"prompt": "What is A + B + C?", "answer":
+    the sum} for `count` distinct draws with random.Random(seed); no held-out question is trained
+    on (the draws are distinct tuples)."""
+    rng, draws = random.Random(seed), {}
+    while len(draws) < count:  # a dict keeps the order of the draws
+        draws.setdefault(tuple(rng.randint(*CHAIN_RANGE) for _ in range(terms)))
+    rows = [{"prompt": f"What is {' + '.join(map(str, t))}?", "answer": str(sum(t))} for t in draws]
+    return rows[held_out:], rows[:held_out]
+
+
+def example_prompt(system_prompt, example, tokenizer, question):
+    """A chat prompt with a system prompt and one worked exchange (user, assistant) before the
+    question; without a chat template, the same as plain text."""
+    user, reply = example
+    if getattr(tokenizer, "chat_template", None) is None:
+        return chat_prompt(tokenizer, question, f"{system_prompt}\n\n{user}\n{reply}")
+    turns = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": question},
+    ]
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def chain_task(process=True):
+    """--task chain: its generated rows in chain_prompt, scored by the final answer (the last
+    number: rewards.last_number_reward) and, with process=True, each written equation
+    (rewards.equation_steps, process supervision); process=False is outcome supervision alone."""
+    train, test = chain_rows()
+    generated = f"generated (--task chain, seed {CHAIN_SEED})"
+    named = [("correctness", rewards.last_number_reward)]
+    if process:
+        named.append(("equations", rewards.equation_steps))
+    return Task(
+        train=train,
+        eval=test,
+        template=functools.partial(example_prompt, CHAIN_SYSTEM_PROMPT, CHAIN_EXAMPLE),
+        rewards=rewards.weighted(named, [1.0] * len(named)),
+        extract_answer=rewards.last_number,
+        train_from=generated,
+        eval_from=f"{generated[:-1]}, questions never trained on)",
+    )
+
+
 def task_from_flags(args):
     """The task that --data describes, with its default rewards (rewards.from_flags applies
     --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
@@ -468,6 +529,8 @@ def task_from_flags(args):
         return addition_task()
     if args.task == "multiplication":
         return multiplication_task(bool(args.tool))
+    if args.task == "chain":
+        return chain_task()
     custom = args.prompt_field is not None or args.answer_field is not None
     need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
     eval_path, eval_flag = args.eval_data, "--eval-data"

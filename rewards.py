@@ -170,6 +170,49 @@ def model_answer_reward(completions: list[str], answers: list[str]) -> list[floa
     return _same_number(map(model_answer, completions), answers)
 
 
+# --task chain's process reward (process_supervision.py): the equations a completion writes.
+# An equation's left side is the run of these characters just before its "=" (on its line, after
+# any earlier "="); it must hold an operator between two operands ("5 = 5" is no step).
+_EXPRESSION_CHARS = frozenset("0123456789 .+-*/x×÷()")
+_HAS_OPERATION = re.compile(r"[0-9)]\s*[-+*/x×÷]", re.ASCII)
+
+
+def equation_steps(completions: list[str], answers: list[str] | None = None) -> list[list]:
+    """A process reward: each equation "EXPRESSION = NUMBER" a completion writes is one step
+    (end, reward), ending just past NUMBER, rewarded 1.0 where the calculator's value of
+    EXPRESSION equals NUMBER, else 0.0 ("23 + 45 = 68" right, "68 + 12 = 81" wrong). An "=" with no
+    arithmetic before it or no number after it is no step. Linear in the completion's length:
+    each character is read at most twice."""
+    from support.calculator import calculator
+
+    out = []
+    for text in completions:
+        steps = []
+        text = text if isinstance(text, str) else ""
+        start = 0  # where the current equation's left side may begin
+        at = text.find("=")
+        while at != -1:
+            left = at
+            while left > start and text[left - 1] in _EXPRESSION_CHARS:
+                left -= 1
+            expression = text[left:at].strip()
+            right_side = at + 1
+            while right_side < len(text) and text[right_side] == " ":
+                right_side += 1
+            number = _NUMBER.match(text, right_side)
+            if number is not None and _HAS_OPERATION.search(expression):
+                value = _number_text(number)
+                try:
+                    right = value is not None and Decimal(calculator(expression)) == Decimal(value)
+                except (ValueError, ArithmeticError):
+                    right = False
+                steps.append((number.end(), 1.0 if right else 0.0))
+            start = at + 1
+            at = text.find("=", start)
+        out.append(steps)
+    return out
+
+
 def _same_number(predictions, answers):
     rewards = []
     for predicted, answer in zip(predictions, answers, strict=True):
@@ -233,7 +276,13 @@ def overlong_penalty(lengths: Iterable[int], max_tokens: int, cache_tokens: int)
 
 
 # The rewards that fit the contract, by the names trainer.py uses for flags and logging.
-REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}
+REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward}  # GSM8K's
+# --reward-fn's built-in names: GSM8K's, --task addition's and --task chain's
+BUILT_IN_REWARDS = {
+    **REWARD_FUNCS,
+    "last-number": last_number_reward,
+    "equations": equation_steps,
+}
 # --extract-answer's built-ins: the answer a completion gives, for maj@k
 ANSWER_EXTRACTORS = {"gsm8k": extract_answer, "last-number": last_number}
 
@@ -275,7 +324,7 @@ def weighted(named_fns, weights, timeout=DEFAULT_TIMEOUT):
     ]
 
 
-def score(reward_fns, completions, answers, **columns):
+def score(reward_fns, completions, answers, steps=None, /, **columns):
     """Total reward [N] = sum of weight * fn(completions, answers, **the columns fn declares), and
     each function's rewards {name: [N]}. columns: prompts=[N], and any data field =[N].
 
@@ -288,11 +337,24 @@ def score(reward_fns, completions, answers, **columns):
     - it must return within its Reward.timeout (--reward-timeout);
     - it must return one finite float32 number per completion.
     A reward error stops the run here: a UserError naming the function, what was wrong, and the
-    start of the offending completion (trainer.py then saves a checkpoint and exits with code 2)."""
+    start of the offending completion (trainer.py then saves a checkpoint and exits with code 2).
+
+    A process reward (one that returns a list of (end, reward) pairs per completion:
+    process_supervision.py) counts in the total and per_fn as each completion's mean step reward
+    (0 without steps: for 0/1 step rewards, the share of its steps that are right); its steps go
+    to `steps` {name: sandbox.Steps}, where a dict is given (positional: a data field named
+    "steps" is a column like any other)."""
+    import torch
+
     per_fn = {}
     for r in reward_fns:
         declared = sandbox.declared_columns(r.fn, columns)
         per_fn[r.name] = sandbox.call_reward(r, completions, answers, declared)
+        if isinstance(per_fn[r.name], sandbox.Steps):
+            if steps is not None:
+                steps[r.name] = per_fn[r.name]
+            means = [sum(v for _, v in pairs) / max(len(pairs), 1) for pairs in per_fn[r.name]]
+            per_fn[r.name] = torch.tensor(means, dtype=torch.float32)
     return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
 
 
@@ -386,7 +448,7 @@ def check_own_task_rewards(args, task):
 
 
 def load_reward_fn(spec, flag="--reward-fn", builtins=None, worker=None, timeout=None):
-    """(name, fn) for a --reward-fn value: a built-in's short name (correctness, format), called in
+    """(name, fn) for a --reward-fn value: a built-in's short name (BUILT_IN_REWARDS), called in
     this process, or MODULE:FUNCTION, imported in the run's worker process (`worker`, a
     support.worker.Worker; a new one if not given) with the working directory first on the import
     path (so my_rewards.py beside you works as my_rewards:brevity), and called there. The function
@@ -394,7 +456,7 @@ def load_reward_fn(spec, flag="--reward-fn", builtins=None, worker=None, timeout
     builtins: its own; `timeout`: its time limit per call, --reward-timeout's)."""
     from support.worker import Worker, WorkerFailed
 
-    builtins = REWARD_FUNCS if builtins is None else builtins
+    builtins = BUILT_IN_REWARDS if builtins is None else builtins
     if spec in builtins:
         return spec, builtins[spec]
     module_name, _, fn_name = spec.partition(":")

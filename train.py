@@ -34,6 +34,7 @@ import config
 import data
 import evaluation
 import grpo
+import process_supervision
 import rewards
 import sampling
 from support import checkpoint, demo, models, report, rundir
@@ -52,6 +53,7 @@ class Args:
 
     model: str = arg("SmolLM2-1.7B-Instruct", "a local directory, a hub id or a SmolLM2 name")
     demo: bool = arg(False, "offline demo: a tiny Llama built in code learns 1-digit addition")
+    task: str = arg("gsm8k", "gsm8k | addition | chain (equations: process supervision)")
     data: str = arg(None, "train rows (JSONL); if not given, GSM8K's train split, downloaded")
     prompt_field: str = arg(None, "your own rows: the field holding the prompt")
     answer_field: str = arg(None, "your own rows: the field holding the reference answer")
@@ -181,8 +183,8 @@ def with_reward_fns(task, specs):
     named = []
     for spec in specs:
         module, _, name = spec.partition(":")
-        if spec in rewards.REWARD_FUNCS:
-            named.append((spec, rewards.REWARD_FUNCS[spec]))
+        if spec in rewards.BUILT_IN_REWARDS:
+            named.append((spec, rewards.BUILT_IN_REWARDS[spec]))
             continue
         try:
             sys.path.insert(0, os.getcwd())
@@ -217,10 +219,22 @@ def train(run, args):
             rollouts = sampling.sample_rollouts(
                 model, run.tokenizer, prompts, decoding, G, run.dtype
             )
-            # 8: compute the rewards r_i of each o_i: [B*G], and each function's {name: [B*G]}
-            reward, per_fn = score(task, rows, rollouts.texts, G)
-            # 9: Â_{i,t} = (r_i - mean(r)) / std(r) over o_i's group, the same for every token t
-            advantages = grpo.group_advantages(reward, G).to(rollouts.input_ids.device)
+            # 8: compute the rewards r_i of each o_i: [B*G], each function's {name: [B*G]}, and
+            # a process reward's steps (§4.1.3): {name: [(end, reward), ...] for each o_i}
+            steps = {}
+            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths, steps=steps)
+            mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
+            # 9: Â_{i,t} [N, C]. Outcome supervision: (r_i - mean(r)) / std(r) over o_i's group,
+            # for every token t. Process supervision (§4.1.3), where a reward returned steps: the
+            # sum of the group-normalized rewards of o_i's steps that end at or after token t.
+            if steps:
+                advantages = process_supervision.advantages(
+                    task, per_fn, steps, rollouts, run.tokenizer
+                )
+            else:
+                advantages = (
+                    grpo.group_advantages(reward, G).to(mask.device)[:, None].expand(mask.shape)
+                )
             # log π_ref(o_i,t | q, o_i,<t) for the KL term [B*G, C] (β = 0: no π_ref, no KL)
             ref_logps = None
             if run.ref_model is not None:
@@ -228,7 +242,6 @@ def train(run, args):
                     run.ref_model, rollouts, micro, run.dtype, not args.gradient_checkpointing
                 )
             old_logps, updates = None, []  # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
-            mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
             normalizer = float(grpo.loss_denominator(mask))  # N, the WHOLE batch's: 1/G Σ_i
             # 10: for GRPO iteration = 1, ..., μ
             for _ in range(args.num_iterations):
@@ -252,7 +265,7 @@ def train(run, args):
                         sums["entropy"] += (entropy * m).sum().item()
                         stats = {}
                         loss = grpo.grpo_loss(  # -J(θ) of eq. 3 on this micro-batch
-                            logps, cut(old_logps), cut(ref_logps), advantages[part], m,
+                            logps, cut(old_logps), cut(ref_logps), cut(advantages), m,
                             epsilon=args.epsilon, beta=args.beta, normalizer=normalizer, stats=stats,
                         )  # fmt: skip
                         loss.backward()
@@ -279,20 +292,6 @@ def train(run, args):
         report.print_eval_table(run.evals, count, args.eval_samples, run.flags.eval_temperature)
     report.curves(args.output_dir)
     return run.evals
-
-
-def score(task, rows, completions, G):
-    """Line 8: each reward function on the G completions of each row (row 0's G first), summed
-    with the functions' weights: (total [N], {name: [N]})."""
-    responses = task.responses(completions)  # the response prefix, then the completion
-    answers = [row["answer"] for row in rows for _ in range(G)]
-    per_fn = {}
-    for r in task.rewards:
-        values = [float(v) for v in r.fn(responses, answers)]
-        per_fn[r.name] = torch.tensor(values, dtype=torch.float32)
-        if len(values) != len(responses) or not per_fn[r.name].isfinite().all():
-            raise UserError(f"reward function {r.name!r} must return one finite number each")
-    return sum(r.weight * per_fn[r.name] for r in task.rewards), per_fn
 
 
 def optimizer_step(run, args, sums, lr):

@@ -28,6 +28,7 @@ import config
 import data
 import evaluation
 import grpo
+import process_supervision
 import rewards
 import sampling
 import tools
@@ -72,7 +73,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                         )
                     # 8: the rewards r_i of each o_i: [B*G], and {name: [B*G]} per function.
                     with phases.phase("rewards"):
-                        reward, per_fn = score_or_fail_everywhere(task, rows, rollouts)
+                        reward, per_fn, steps = score_or_fail_everywhere(task, rows, rollouts)
                     # DAPO's dynamic sampling: drop groups without reward spread, sample more.
                     scored, dynamic = (rows, rollouts, reward, per_fn), {}
                     if s.dynamic_sampling:
@@ -83,11 +84,8 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     if s.mask_truncated:
                         # A completion the budget cut off gets no loss (its reward still counts).
                         rollouts.completion_mask[rollouts.truncated] = 0
-                    # 9: Â_i,t by group-relative advantage estimation, the same for every t.
-                    advantages = grpo.group_advantages(
-                        distributed.gather(reward), G, scale=s.scale_rewards
-                    )
-                    advantages = distributed.my_share(advantages).to(rollouts.input_ids.device)
+                    # 9: Â_i,t by group-relative advantage estimation (outcome or process).
+                    advantages = advantages_of(run, task, rollouts, reward, per_fn, steps)
                     # log π_ref(o_i,t | q, o_i,<t) for the KL term (none when β = 0): [B*G, C].
                     ref_logps = reference_logps(run, rollouts) if mu > 0 else None
                     # μ = 1: π_old = sg(π_θ), the ratio is exactly 1.
@@ -373,12 +371,18 @@ def longest_prompt(task, tokenizer, limit):
 
 def score_or_fail_everywhere(task, rows, rollouts):
     """task.score on the rollouts, where a UserError (a reward function that raised, hung or
-    returned NaN) on any rank stops every rank here: one all-reduce under torchrun."""
-    error, result = rollouts.tool_failure, None
+    returned NaN) on any rank stops every rank here: one all-reduce under torchrun. Returns (total
+    [N], {name: [N]}, a process reward's steps {name: sandbox.Steps}, {} without one)."""
+    error, result, steps = rollouts.tool_failure, None, {}
     try:
         if error is None:
             result = task.score(
-                rows, rollouts.texts, rollouts.group_size, rollouts.lengths, rollouts.tool_calls
+                rows,
+                rollouts.texts,
+                rollouts.group_size,
+                rollouts.lengths,
+                rollouts.tool_calls,
+                steps=steps,
             )
     except UserError as e:
         error = e
@@ -387,7 +391,22 @@ def score_or_fail_everywhere(task, rows, rollouts):
             str(error) if error else "a reward function failed in another process (see its error)",
             own=error is not None,
         )
-    return result
+    return (*result, steps)
+
+
+def advantages_of(run, task, rollouts, reward, per_fn, steps):
+    """Line 9: Â_i,t. Outcome supervision: the group-relative advantage of each completion's
+    reward [B*G] (every rank's rewards gathered: --scale-rewards batch reads the whole batch), the
+    same for every t. Process supervision (§4.1.3), where a reward function returned steps: [B*G,
+    C] per token (process_supervision.py; groups are whole on each rank, so each rank's own)."""
+    s = run.settings
+    if steps:
+        process_supervision.check_settings(s.scale_rewards, s.dynamic_sampling)
+        adv = process_supervision.advantages(task, per_fn, steps, rollouts, run.tokenizer)
+    else:
+        adv = grpo.group_advantages(distributed.gather(reward), s.group_size, scale=s.scale_rewards)
+        adv = distributed.my_share(adv)
+    return adv.to(rollouts.input_ids.device)
 
 
 def dynamic_sampling(run, task, step, scored):
@@ -413,7 +432,7 @@ def dynamic_sampling(run, task, step, scored):
                 run.model, run.tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools
             )
         with run.phases.phase("rewards"):
-            parts.append((more, extra, *score_or_fail_everywhere(task, more, extra)))
+            parts.append((more, extra, *score_or_fail_everywhere(task, more, extra)[:2]))
         calls += 1
     kept = [(p, g) for p in parts for g in spread(p)][:want]
     log = dict(
@@ -685,7 +704,7 @@ def micro_batch_loss(
         None if x is None else x[rows, :keep]
         for x in (old_logps, ref_logps, rollouts.sampler_logps)
     )
-    adv, o = advantages[rows], objective
+    adv, o = advantages[rows] if advantages.dim() == 1 else advantages[rows, :keep], objective
     weights, stats = policy_weights(o, correction, logps, entropy, old, behavior, adv, mask)
     loss = grpo.grpo_loss(
         logps, old, ref, adv, mask, epsilon=o.epsilon, epsilon_high=o.epsilon_high,

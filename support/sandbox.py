@@ -12,6 +12,7 @@ what it cannot interrupt).
 import contextlib
 import copy
 import inspect
+import operator
 import signal
 import threading
 import time
@@ -229,13 +230,64 @@ def first_failing_completion(fn, completions, answers, kwargs):
     return None
 
 
+class Steps(list):
+    """A process reward's values (DeepSeekMath §4.1.3): for each completion, the list of its steps'
+    (end, reward) pairs, end an int >= 0 (a character offset into the response: text[:end] is the
+    step and all before it), reward a finite float in float32's range. as_floats returns it for a
+    function that returned a list for every completion; process_supervision.py takes it from
+    there."""
+
+
+def as_steps(name, values, completions):
+    """values, one list of (end, reward) pairs per completion, as Steps; or a UserError saying
+    which completion's which step is wrong and how."""
+    out = Steps()
+    for i, steps in enumerate(values):
+        where = f"reward function {name!r} returned steps for completion {i}"
+        began = f"The completion began: {completions[i][:200]!r}"
+        if not isinstance(steps, (list, tuple)):
+            raise UserError(
+                f"{where} but {steps!r} for another: a process reward returns a list of (end, "
+                f"reward) pairs for every completion ([] for none), an outcome reward one number "
+                f"for every completion. {began}"
+            )
+        pairs = []
+        for k, step in enumerate(steps):
+            try:
+                end, reward = step
+                end = -1 if isinstance(end, bool) else operator.index(end)  # ints, numpy ints
+                reward = float(reward) if not isinstance(reward, (str, bytes)) else float("x")
+            except (TypeError, ValueError):
+                raise UserError(
+                    f"{where}, whose step {k} is {step!r}: each step is a pair (end, reward), end "
+                    f"an int (a character offset: the step is text[:end]) and reward a number. "
+                    f"{began}"
+                ) from None
+            if end < 0:
+                raise UserError(
+                    f"{where}, whose step {k} ends at {end}: a step's end is a character offset "
+                    f"into the response, 0 or more. {began}"
+                )
+            if not abs(reward) <= FLOAT32_MAX:  # NaN, inf, or inf in float32
+                raise UserError(
+                    f"{where}, whose step {k} has reward {reward}: step rewards must be finite "
+                    f"float32 numbers (NaN or inf would reach the weights). {began}"
+                )
+            pairs.append((end, reward))
+        out.append(pairs)
+    return out
+
+
 def as_rewards(name, values, completions):
     """A reward function's return value as a float32 tensor [N], or a UserError saying what is wrong
     with it: not one number per completion, NaN or inf (as_floats), or a number beyond float32's
-    range (1e39 is a finite float but inf in float32)."""
+    range (1e39 is a finite float but inf in float32). A process reward's Steps (as_floats) are
+    returned as they are."""
     import torch
 
     out = as_floats(name, values, completions)
+    if isinstance(out, Steps):
+        return out
     rewards = torch.tensor(out, dtype=torch.float32)
     # finite as Python floats, but beyond float32's range: inf here
     overflowed = (~rewards.isfinite()).nonzero().flatten().tolist()
@@ -252,7 +304,8 @@ def as_rewards(name, values, completions):
 def as_floats(name, values, completions):
     """A reward function's return value as a list of finite Python floats, one per completion (a
     list, a tuple, a tensor, an array, a generator; numbers, bools, Decimals, 0-d tensors), or a
-    UserError saying what is wrong with it."""
+    UserError saying what is wrong with it. A list (or tuple) for the first completion: a process
+    reward's steps, checked and returned as Steps (as_steps)."""
     n = len(completions)
     returned = values
     if hasattr(values, "reshape") and len(getattr(values, "shape", ())) > 1:
@@ -279,6 +332,8 @@ def as_floats(name, values, completions):
             f"{len(values)} values: {str(values)[:200]}. The batch's first completion began: "
             f"{(completions[0] if completions else '')[:200]!r}"
         )
+    if values and isinstance(values[0], (list, tuple)):
+        return as_steps(name, values, completions)
     out = []
     for i, v in enumerate(values):
         try:

@@ -126,7 +126,7 @@ def test_readme_algorithm_1_map_names_code_that_exists():
     names = [
         n for row in table.splitlines()[2:] for n in re.findall(r"`([^`]+)`", row.split(" | ")[1])
     ]
-    assert len(names) == 10
+    assert len(names) == 11
     for name in names:
         if name.startswith("for "):
             assert name in source("train.py"), name
