@@ -52,7 +52,7 @@ def build_parser():
         "built-in two-digit addition task (data.addition_rows: generated, no download; its "
         "defaults are ADDITION_DEFAULTS); multiplication: three-digit times two-digit numbers, "
         "the built-in task for --tool calculator (its system prompt shows the call; defaults: "
-        "ADDITION_DEFAULTS); chain: sums of three two-digit numbers worked one equation per line, "
+        "ADDITION_DEFAULTS); chain: sums of three numbers from 10 to 30 worked one equation per line, "
         "scored by the answer and each equation (process supervision; --reward-fn last-number: "
         "the answer alone; defaults: ADDITION_DEFAULTS, CHAIN_DEFAULTS)"
     )

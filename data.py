@@ -456,14 +456,14 @@ def multiplication_task(with_tools, eval_rows=None):
     )
 
 
-# --task chain: "What is A + B + C?" for A, B, C in [10, 99], worked as one equation per line, each
+# --task chain: "What is A + B + C?" for A, B, C in [10, 30], worked as one equation per line, each
 # checked by the calculator (rewards.equation_steps, a process reward: DeepSeekMath §4.1.3) beside
 # the final answer's correctness. The prompt shows one worked exchange, as the tool task's does;
 # the pilot that chose it is in docs/process.md.
 CHAIN_SEED = 0
 CHAIN_ROWS = 5000
 CHAIN_TERMS = 3
-CHAIN_RANGE = (10, 99)
+CHAIN_RANGE = (10, 30)
 CHAIN_SYSTEM_PROMPT = (
     "Add the numbers one at a time. Write each addition as an equation on its own line, then the "
     "final answer."

@@ -67,7 +67,7 @@ class Args:
     beta: float = arg(0.04, "β, the KL coefficient; 0: no π_ref at all")
     ref_update_every: int = arg(0, "K: π_ref ← π_θ every K steps (Algorithm 1, line 2); 0: never")
     epsilon: float = arg(0.2, "ε, the clip range of the ratio")
-    lr: float = arg(5e-5, "AdamW learning rate (linear decay to 0)")
+    lr: float = arg(5e-5, "AdamW learning rate (linear decay to 0; the built-in tasks: constant)")
     max_grad_norm: float = arg(1.0, "gradient clipping (global L2 norm); 0: none")
     temperature: float = arg(0.9, "sampling temperature")
     max_new_tokens: int = arg(300, "tokens per completion at most")
@@ -159,7 +159,8 @@ def setup(args, flags):
     except (RuntimeError, ValueError):
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     updates = args.steps * args.num_iterations
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    schedule = flags.lr_scheduler  # linear; constant for the built-in tasks (config.py)
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=0, num_training_steps=updates)
     step = 0
     if resume_dir is not None:  # AdamW, the schedule and the RNG as saved; no NaN taken in
         step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None, ref_model)

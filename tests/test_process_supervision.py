@@ -342,3 +342,61 @@ def test_the_trainer_refuses_a_process_reward_with_batch_scaling_at_the_first_st
     assert (
         "--scale-rewards batch: a process reward's steps are normalized" in capsys.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_the_reference_and_the_trainer_agree_on_the_chain_task(tmp_path):
+    # --task chain's own rewards (the last number and the equations, a process reward) and its
+    # defaults (a constant learning rate among them), on the tiny model: the same numbers.
+    from helpers import tiny_model_dir
+
+    argv = [
+        *["--device", "cpu", "--model", tiny_model_dir(tmp_path), "--task", "chain"],
+        *"--steps 2 --batch-size 2 --num-generations 4 --max-new-tokens 8 --eval-every -1".split(),
+        *"--lr 1e-3 --seed 3".split(),
+    ]
+    for name, module in (("reference", train), ("trainer", trainer)):
+        module.main([*argv, "--output-dir", str(tmp_path / name)])
+    ours, theirs = (without_time(read_metrics(tmp_path / d)) for d in ("reference", "trainer"))
+    assert ours == theirs and "rewards/equations" in ours[0]
+    assert [row["lr"] for row in ours] == [1e-3, 1e-3]  # constant, as the task's defaults say
+
+
+# ------------------------------------------------------------------ --task chain
+def test_the_chain_tasks_rows_are_fixed_distinct_and_never_trained_on_when_held_out():
+    train_rows, held_out = data.chain_rows()
+    assert (len(train_rows), len(held_out)) == (4800, 200)
+    assert (train_rows, held_out) == data.chain_rows()  # a pure function of the seed
+    prompts = [r["prompt"] for r in train_rows + held_out]
+    assert len(set(prompts)) == 5000
+    assert held_out[0]["prompt"].startswith("What is ") and held_out[0]["prompt"].endswith("?")
+    for row in train_rows + held_out:
+        terms = [int(t) for t in row["prompt"][len("What is ") : -1].split(" + ")]
+        assert len(terms) == 3 and all(10 <= t <= 30 for t in terms)
+        assert row["answer"] == str(sum(terms))
+
+
+def test_the_chain_task_scores_the_answer_and_each_equation_and_its_flags_say_so():
+    task = data.chain_task()
+    assert [r.name for r in task.rewards] == ["correctness", "equations"]
+    steps = {}
+    total, per_fn = task.score(
+        [{"prompt": "What is 14 + 25 + 31?", "answer": "70"}],
+        ["14 + 25 = 39\n39 + 31 = 71\nThe answer is 71.", data.CHAIN_EXAMPLE[1]],
+        2,
+        steps=steps,
+    )
+    assert per_fn["correctness"].tolist() == [0.0, 1.0]
+    assert per_fn["equations"].tolist() == [0.5, 1.0]  # the share of its equations that hold
+    assert steps["equations"] == [[(12, 1.0), (25, 0.0)], [(12, 1.0), (25, 1.0)]]
+    assert total.tolist() == [0.5, 2.0]
+    args = config.parse_args(["--task", "chain", "--output-dir", "unused"])
+    assert (args.max_new_tokens, args.lr_scheduler, args.steps) == (64, "constant", 40)
+    outcome = config.parse_args(
+        ["--task", "chain", "--reward-fn", "last-number", "--output-dir", "x"]
+    )
+    assert rewards.from_flags(outcome, task_rewards(task))[0].fn is rewards.last_number_reward
+
+
+def task_rewards(task):
+    return [(r.name, r.fn) for r in task.rewards]
