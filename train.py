@@ -53,7 +53,7 @@ class Args:
 
     model: str = arg("SmolLM2-1.7B-Instruct", "a local directory, a hub id or a SmolLM2 name")
     demo: bool = arg(False, "offline demo: a tiny Llama built in code learns 1-digit addition")
-    task: str = arg("gsm8k", "gsm8k | addition | chain (equations: process supervision)")
+    task: str = arg("gsm8k", "gsm8k | addition | multiplication | chain (process supervision)")
     data: str = arg(None, "train rows (JSONL); if not given, GSM8K's train split, downloaded")
     prompt_field: str = arg(None, "your own rows: the field holding the prompt")
     answer_field: str = arg(None, "your own rows: the field holding the reference answer")
