@@ -68,8 +68,16 @@ def one_update_gradients(rollouts, advantages, loss_type, ddp=None, fsdp=False):
     return grads
 
 
-def distributed_batch():
+def distributed_batch(process=False):
+    """The rollouts and their advantages: outcome ones [8], or (process) per-token ones [8, 6]
+    from step rewards ending at various tokens (DeepSeekMath §4.1.3)."""
     mask = torch.tensor([[1] * n + [0] * (6 - n) for n in DISTRIBUTED_LENGTHS])
+    if process:
+        steps = [[(1, 1.0), (4, 0.0)], [(2, 1.0)], [(0, 0.0), (5, 1.0)], [], [(0, 1.0)], [(0, 0.0)]]
+        steps += [[(0, 1.0), (3, 1.0)], [(2, 0.0)]]
+        ends = [[end for end, _ in s] for s in steps]
+        rewards = [[r for _, r in s] for s in steps]
+        return tiny_rollouts(mask), grpo.process_advantages(rewards, ends, 4, 6)
     return tiny_rollouts(mask), grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), 4)
 
 
@@ -92,6 +100,13 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
         torch.save(
             one_update_gradients(*mine, fsdp=True), f"{out_dir}/{loss_type}-fsdp-rank{rank}.pt"
         )
+    # process supervision: per-token advantages travel with their rows
+    rollouts, advantages = distributed_batch(process=True)
+    mine = (sampling.select_groups(rollouts, [rank]), advantages[4 * rank : 4 * rank + 4], "grpo")
+    torch.save(
+        one_update_gradients(*mine, ddp=lambda m: distributed.wrap(m, sampling.token_logprobs)),
+        f"{out_dir}/process-rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -103,10 +118,11 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
 def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
     tmp_path, monkeypatch
 ):
-    # DDP and FSDP2 alike. fp32 on both sides; the sums differ in order only (and the average of
-    # world x loss over ranks): ~1e-8, asked 1e-6. The spawned ranks see no GPU (NO_GPU): CPU
-    # tensors and gloo only. This process's environment changes for the spawn alone (a CUDA device
-    # count first read under it would stay 0 for the session).
+    # DDP and FSDP2 alike, and per-token advantages (process supervision) under DDP. fp32 on both
+    # sides; the sums differ in order only (and the average of world x loss over ranks): ~1e-8,
+    # asked 1e-6. The spawned ranks see no GPU (NO_GPU): CPU tensors and gloo only. This process's
+    # environment changes for the spawn alone (a CUDA device count first read under it would stay
+    # 0 for the session).
     with monkeypatch.context() as m:
         for name, value in NO_GPU.items():
             m.setenv(name, value)
@@ -126,6 +142,12 @@ def test_distributed_gradient_of_2_ranks_x_1_prompt_equals_1_rank_x_2_prompts(
             for name, grad in expected.items():
                 torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=f"{run}: {name}")
         assert max(g.abs().max() for g in expected.values()) > 1e-3  # a real gradient, not zeros
+    expected = one_update_gradients(*distributed_batch(process=True), "grpo")
+    for run in ("process-rank0", "process-rank1"):
+        got = torch.load(tmp_path / f"{run}.pt")
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=f"{run}: {name}")
+    assert max(g.abs().max() for g in expected.values()) > 1e-3
 
 
 # --- torchrun: the demo, FSDP2, resume
