@@ -400,3 +400,23 @@ def test_the_chain_task_scores_the_answer_and_each_equation_and_its_flags_say_so
 
 def task_rewards(task):
     return [(r.name, r.fn) for r in task.rewards]
+
+
+def test_figure5_reads_the_evaluations_and_wall_times_its_table_reports(tmp_path):
+    from scripts import figure5
+
+    line = (
+        "eval on 100 questions x 8 samples: correctness {}, equations 0.3600, reward 0.5000, "
+        "correctness_pass@8 {}, equations_pass@8 0.9000, correctness_maj@8 {}, equations_maj@8 0.4\n"
+    )
+    for name, seed, values in [
+        ("base", 0, (0.15, 0.4, 0.2)),
+        ("base", 1, (0.17, 0.4, 0.2)),
+        ("process-s0", 0, (0.3, 0.6, 0.35)),
+    ]:
+        (tmp_path / f"eval-{name}-e{seed}.log").write_text("loading ...\n" + line.format(*values))
+    (tmp_path / "process-s0.log").write_text("step 40/40 | ...\nwall 754.2 s\n")
+    assert figure5.read_eval(tmp_path / "eval-process-s0-e0.log")["correctness_maj@8"] == 0.35
+    rows = figure5.table(str(tmp_path)).splitlines()
+    assert rows[2] == "| before training | | 0.1500 | 0.2000 | 0.4000 | 0.0141 | |"
+    assert rows[3] == "| process supervision | 0 | 0.3000 | 0.3500 | 0.6000 |  | 12.6 min |"
