@@ -101,7 +101,9 @@ def parse_args(argv=None):
         else:
             action = "append" if kind is tuple else "store"
             kind = str if kind is tuple else kind
-            parser.add_argument(flag, type=kind, action=action, help=f.metadata["help"])
+            parser.add_argument(
+                flag, type=kind, action=action, help=f.metadata["help"], default=f.default
+            )
     parser.parse_args(argv)  # --help; a flag this file does not take: one line, exit 2
     flags = config.parse_args(argv)
     if flags.dtype == "fp16":

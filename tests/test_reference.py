@@ -145,6 +145,16 @@ def test_the_reference_defaults_are_the_trainers():
     }
 
 
+def test_the_reference_help_prints_each_flags_default(capsys):
+    # Before: "(default: None)" for every flag, the values living in config.parse_args
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for f in dataclasses.fields(train.Args):
+        assert f"(default: {f.default})" in shown, f.name
+    assert "(default: SmolLM2-1.7B-Instruct)" in shown and "(default: 0.04)" in shown
+
+
 @pytest.mark.parametrize(
     "argv, said",
     [
