@@ -23,9 +23,11 @@ def flag(group, name, default, type=None, **kw):
     return lambda help: group.add_argument(name, default=default, type=type, help=help, **kw)
 
 
-def switch(group, name):
-    """switch(group, "--name")(help): an on/off flag, off by default."""
-    return lambda help: group.add_argument(name, action="store_true", help=help)
+def switch(group, name, negatable=False):
+    """switch(group, "--name")(help): an on/off flag, off by default. negatable: --no-name too, for
+    a switch a --preset turns on."""
+    action = argparse.BooleanOptionalAction if negatable else "store_true"
+    return lambda help: group.add_argument(name, action=action, default=False, help=help)
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,6 +93,12 @@ def build_parser():
     )
 
     g = p.add_argument_group("GRPO (DeepSeekMath eq. 3)")
+    flag(g, "--preset", None, choices=sorted(PRESETS))(
+        "trl: TRL 1.16 GRPOConfig's defaults where a flag of ours means the same (TRL_PRESET: beta "
+        "0, dapo, kl-bias-correction, T=1 without top-k/top-p, 512 new tokens, lr 1e-6, one "
+        "prompt per update, dropout on; docs/trl.md), over the task's own defaults; a flag given "
+        "still wins. The run's first line lists what it set"
+    )
     flag(g, "--num-generations", 8, int)("G, completions sampled per prompt (the group)")
     flag(g, "--beta", 0.04, float)(
         "KL coefficient; 0 skips the reference model entirely (none is loaded)"
@@ -150,6 +158,11 @@ def build_parser():
         "log(pi_behavior / pi_theta) exceeds this gets no policy term; pi_behavior is the "
         "sampler's log-probs when kept (--sampler-correction, --log-mismatch), else pi_old's (so "
         "it acts only with --num-iterations > 1); if not given, off"
+    )
+    switch(g, "--kl-bias-correction", negatable=True)(
+        "the KL term times the ratio r = pi_theta/pi_old, not detached: DeepSeek-V3.2's unbiased KL "
+        "estimate (arXiv 2512.02556, eq. 7; TRL's use_bias_correction_kl, on there by default). "
+        "Changes the gradient whenever beta > 0, even at mu = 1 (r is 1, its gradient is not)"
     )
     flag(
         g,
@@ -265,7 +278,7 @@ def build_parser():
         "an update whose loss or gradient norm is NaN/inf is skipped (weights and AdamW "
         "unchanged); stop, saving the last good weights, after this many in a row"
     )
-    switch(g, "--dropout")(
+    switch(g, "--dropout", negatable=True)(
         "keep the model's own dropout on while training (off by default: with mu > 1, pi_old's and "
         "pi_theta's log-probs would come from different dropout masks, and the ratio would be "
         "noise)"
@@ -441,6 +454,43 @@ MULTIPLICATION_TOOL_DEFAULTS = dict(max_new_tokens=96)
 CHAIN_DEFAULTS = dict(max_new_tokens=64)
 
 
+# --preset trl: TRL 1.16.0's GRPOConfig defaults (and the TrainingArguments fields it inherits, as
+# transformers 5 sets them), read from trl/trainer/grpo_config.py, each on the flag of ours that
+# means the same (docs/trl.md: the table, what differs from ours and why ours are the paper's).
+# Applied over the task's or the demo's defaults; a flag given on the command line still wins.
+TRL_PRESET = dict(
+    beta=0.0,  # beta
+    loss_type="dapo",  # loss_type
+    surrogate="clip",  # loss_type "dapo" is eq. 3's clipped term, aggregated per token
+    epsilon=0.2,  # epsilon
+    epsilon_high=None,  # epsilon_high (None: epsilon)
+    delta=None,  # delta
+    ratio_level="token",  # importance_sampling_level
+    scale_rewards="group",  # scale_rewards
+    num_iterations=1,  # num_iterations (μ)
+    mask_truncated=False,  # mask_truncated_completions
+    top_entropy_quantile=1.0,  # top_entropy_quantile
+    off_policy_mask=None,  # off_policy_mask_threshold
+    kl_bias_correction=True,  # use_bias_correction_kl
+    num_generations=8,  # num_generations
+    temperature=1.0,  # temperature
+    top_p=1.0,  # top_p
+    top_k=0,  # top_k (0: off)
+    max_new_tokens=512,  # max_completion_length
+    lr=1e-6,  # learning_rate
+    lr_scheduler="linear",  # lr_scheduler_type
+    warmup_steps=0,  # warmup_steps
+    weight_decay=0.0,  # weight_decay
+    max_grad_norm=1.0,  # max_grad_norm
+    # per_device_train_batch_size 8 counts completions: one group of G = 8, so one prompt per
+    # process per update (gradient_accumulation_steps 1, steps_per_generation = it)
+    batch_size=1,
+    gradient_accumulation_steps=1,
+    dropout=True,  # disable_dropout=False: the model's own dropout stays on in training
+)
+PRESETS = {"trl": TRL_PRESET}
+
+
 def parse_args(argv=None):
     """Parse and check the flags, then fill in the run-time values (device, dtype, output dir)."""
     parser = build_parser()
@@ -453,6 +503,8 @@ def parse_args(argv=None):
         defaults = {**defaults, **MULTIPLICATION_TOOL_DEFAULTS}
     elif args.task == "chain":
         defaults = {**defaults, **CHAIN_DEFAULTS}
+    if args.preset is not None:  # over the task's defaults; a flag given still wins
+        defaults = {**defaults, **PRESETS[args.preset]}
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
@@ -473,6 +525,30 @@ def parse_args(argv=None):
             "created if missing) for metrics.jsonl and checkpoint/."
         )
     return args
+
+
+def preset_line(args):
+    """The line a run with --preset prints first: each flag as the preset set it, then each flag
+    given on the command line in its place (its value differs from the preset's). None without
+    --preset."""
+    if args.preset is None:
+        return None
+    preset = PRESETS[args.preset]
+    kept = [k for k, v in preset.items() if getattr(args, k) != v]
+    set_ = [as_flag(k, v) for k, v in preset.items() if k not in kept]
+    line = f"--preset {args.preset} (TRL 1.16 GRPOConfig's defaults) set: {' '.join(set_)}"
+    if kept:
+        line += "; given, kept: " + " ".join(as_flag(k, getattr(args, k)) for k in kept)
+    return line
+
+
+def as_flag(name, value):
+    """A setting as the command line writes it: --name VALUE, --name for a switch that is on, no
+    --name for one that is off, --name off for None."""
+    option = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return option if value else f"no {option}"
+    return f"{option} {'off' if value is None else f'{value:g}' if isinstance(value, float) else value}"
 
 
 # --reward-memory's range (GiB of address space for the worker process, support/worker.py). At
@@ -679,6 +755,11 @@ def check_objective_flags(args):
                 f"{option} does nothing with --surrogate {args.surrogate}: drop it (--delta belongs "
                 "to clip, --epsilon-high to clip and cispo, --sapo-tau-* to sapo)."
             )
+    if args.kl_bias_correction and args.beta == 0 and args.preset is None:
+        raise UserError(
+            "--kl-bias-correction multiplies the KL term by the ratio; at --beta 0 there is no KL "
+            "term: give --beta > 0, or drop --kl-bias-correction."
+        )
     bounds = (args.sampler_ratio_min, args.sampler_ratio_max)
     if args.sampler_correction is None and bounds != (0.0, 3.0):
         raise UserError(

@@ -15,9 +15,10 @@ Copy this file into your project as it is: it depends on torch alone. The log-pr
 from sampling.token_logprobs, or from any code that gives log π(o_t | q, o_<t) at the sampling
 temperature.
 
-grpo_loss is eq. 3, with the aggregations of DAPO and Dr. GRPO, GSPO's sequence ratio and the dual
-clip. What goes beyond it is a function of its own below, composed around grpo_loss by its caller
-(trainer.py's micro_batch_loss): CISPO's and SAPO's policy terms in place of eq. 3's min
+grpo_loss is eq. 3, with the aggregations of DAPO and Dr. GRPO, GSPO's sequence ratio, the dual
+clip and DeepSeek-V3.2's importance-weighted KL (kl_bias_correction). What goes beyond it is a
+function of its own below, composed around grpo_loss by its caller (trainer.py's
+micro_batch_loss): CISPO's and SAPO's policy terms in place of eq. 3's min
 (grpo_loss's `surrogate`), and the top-ρ entropy mask, DeepSeek-V3.2's off-policy sequence mask and
 the sampler-trainer importance weights, which multiply each token's policy term (their product is
 grpo_loss's `weights`).
@@ -53,7 +54,7 @@ MAX_LOG_RATIO = 20.0
 def grpo_loss(
     logps, old_logps, ref_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.04,
     loss_type="grpo", max_tokens=None, normalizer=None, ratio_level="token", delta=None,
-    surrogate=None, weights=None, stats=None,
+    surrogate=None, weights=None, kl_bias_correction=False, stats=None,
 ):  # fmt: skip
     """-J(θ) of eq. 3 over one (micro-)batch: a scalar to minimize.
 
@@ -82,6 +83,12 @@ def grpo_loss(
     weights:   [N, T] or [N, 1], multiplying each token's policy term (not its KL); None: 1. The
                options that keep or weigh tokens, multiplied together: high_entropy_mask,
                off_policy_mask, sampler_weights.
+    kl_bias_correction: False: eq. 3's KL term, k3 on samples drawn from π_old. True: r · k3,
+               with the policy term's r (token or sequence level, neither clipped nor detached):
+               DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556, §3.1, eq. 7; TRL's
+               use_bias_correction_kl). It changes the gradient whenever β ≠ 0, even at μ = 1 where
+               r is exactly 1: d(r k3)/dlog π_θ = r log(π_θ/π_ref), where k3's is 1 - π_ref/π_θ.
+               stats["kl"] stays Σ k3.
     stats: optional dict, filled with detached sums over this batch's unmasked tokens: "tokens",
                "kl" (Σ k3), "clipped" (tokens where a clip is active, δ's included), "ratio" (Σ r).
     """
@@ -119,7 +126,8 @@ def grpo_loss(
     if beta != 0:
         log_ref_ratio = torch.where(m, ref_logps - logps, 0.0).clamp(max=MAX_LOG_RATIO)  # log(π_ref / π_θ)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                    # k3 = π_ref/π_θ - log(π_ref/π_θ) - 1 ≥ 0
-        objective = objective - beta * kl                                    # ... - β D_KL
+        penalty = kl * ratio if kl_bias_correction else kl                   # optional: r · k3 (DeepSeek-V3.2)
+        objective = objective - beta * penalty                               # ... - β D_KL
     objective = torch.where(m, objective, 0.0)                               # only tokens up to EOS count
     if loss_type == "grpo":                                                  # Σ_i 1/|o_i| Σ_t, over N (= 1/G Σ_i)
         total = (objective.sum(1) / m.sum(1).clamp(min=1)).sum()

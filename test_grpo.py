@@ -254,6 +254,71 @@ def test_mu_1_loss_is_beta_times_kl_and_gradient_matches_eq_20_21():
     torch.testing.assert_close(logps.grad, closed_form, rtol=1e-5, atol=1e-7)
 
 
+# ---------------------------------------------------------------- the bias-corrected KL
+# (DeepSeek-V3.2, eq. 7; TRL's use_bias_correction_kl): the KL term is r · k3, r not detached
+def kl_only(ratios, rhos, corrected, on_policy=False, ratio_level="token"):
+    """[-J, then d(-J)/dlog π_θ of each token] for one completion whose tokens have ratios
+    π_θ/π_old and ρ = π_ref/π_θ, with Â = 0 and β = 1: the KL term alone, averaged over the
+    tokens ("grpo")."""
+    logps = torch.log(torch.tensor([ratios], dtype=torch.float64)).requires_grad_()
+    old = None if on_policy else torch.zeros_like(logps)
+    ref = logps.detach() + torch.log(torch.tensor([rhos], dtype=torch.float64))
+    loss = grpo_loss(
+        logps, old, ref, torch.zeros(1, dtype=torch.float64), torch.ones_like(logps), beta=1.0,
+        ratio_level=ratio_level, kl_bias_correction=corrected,
+    )  # fmt: skip
+    loss.backward()
+    return [loss.item(), *logps.grad[0].tolist()]
+
+
+def test_kl_bias_correction_r_1_5_rho_0_5_is_r_k3_0_289721_with_gradient_r_ln2_1_039721():
+    # k3(ρ = 0.5) = 0.5 + ln 2 - 1 = 0.193147, its gradient 1 - ρ = 0.5. Times r = 1.5: 0.289721,
+    # and d(r k3)/dlog π_θ = r (k3 + 1 - ρ) = r log(π_θ/π_ref) = 1.5 ln 2 = 1.039721.
+    assert kl_only([1.5], [0.5], False) == pytest.approx([0.193147, 0.5], abs=TOL)
+    assert kl_only([1.5], [0.5], True) == pytest.approx([0.289721, 1.039721], abs=TOL)
+
+
+def test_kl_bias_correction_on_policy_keeps_the_loss_and_moves_the_gradient_0_5_to_ln2():
+    # μ = 1: r = π_θ / sg(π_θ) is exactly 1, so the loss is k3 = 0.193147 either way; r's
+    # gradient is not 0, so the KL's gradient is log(π_θ/π_ref) = ln 2 = 0.693147, not 0.5.
+    assert kl_only([1.0], [0.5], False, True) == pytest.approx([0.193147, 0.5], abs=TOL)
+    assert kl_only([1.0], [0.5], True, True) == pytest.approx([0.193147, 0.693147], abs=TOL)
+
+
+def test_kl_bias_correction_at_sequence_level_spreads_r_over_the_tokens():
+    # ρ = (0.5, 2), on-policy, mean over |o| = 2: k3 = (0.193147, 0.306853), loss 0.25 either way.
+    # Token ratios: d/dlog π_t = log(π_θ/π_ref)_t / 2 = ±0.346574. GSPO's one ratio
+    # r = exp(mean_t log r_t): ((1 - ρ_t) + Σ k3 / 2) / 2 = (0.75, -0.75) / 2. Uncorrected:
+    # (1 - ρ_t) / 2 = (0.5, -1) / 2.
+    assert kl_only([1.0, 1.0], [0.5, 2.0], False, True) == pytest.approx(
+        [0.25, 0.25, -0.5], abs=TOL
+    )
+    assert kl_only([1.0, 1.0], [0.5, 2.0], True, True) == pytest.approx(
+        [0.25, 0.346574, -0.346574], abs=TOL
+    )
+    assert kl_only([1.0, 1.0], [0.5, 2.0], True, True, "sequence") == pytest.approx(
+        [0.25, 0.375, -0.375], abs=TOL
+    )
+
+
+def test_kl_bias_correction_off_or_at_beta_0_leaves_loss_and_gradient_bit_identical():
+    torch.manual_seed(0)
+    logps0, old, ref = -torch.rand(4, 5) * 3, -torch.rand(4, 5) * 3, -torch.rand(4, 5) * 3
+    adv, mask = torch.tensor([1.0, -0.5, 0.3, -0.8]), (torch.rand(4, 5) > 0.2).long()
+
+    def run(beta, **kwargs):
+        logps = logps0.clone().requires_grad_()
+        loss = grpo_loss(logps, old, ref, adv, mask, beta=beta, loss_type="dapo", **kwargs)
+        loss.backward()
+        return loss.detach(), logps.grad
+
+    for got, want in zip(run(0.04, kl_bias_correction=False), run(0.04)):
+        assert torch.equal(got, want)
+    for got, want in zip(run(0.0, kl_bias_correction=True), run(0.0)):
+        assert torch.equal(got, want)
+    assert not torch.equal(run(0.04, kl_bias_correction=True)[1], run(0.04)[1])
+
+
 # ---------------------------------------------------------------- advantages
 def test_advantages_1_0_1_0_are_plus_minus_0_865875():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)

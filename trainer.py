@@ -134,6 +134,7 @@ class LossSettings:
     sapo_tau_neg: float = 1.05
     top_entropy: float = 1.0  # ρ: the policy term on the top-ρ tokens by entropy; 1: all
     off_policy_threshold: float | None = None  # DeepSeek-V3.2's sequence mask; None: off
+    kl_bias_correction: bool = False  # the KL term × r (DeepSeek-V3.2; TRL's default)
 
     @classmethod
     def of(cls, args):
@@ -150,6 +151,7 @@ class LossSettings:
             args.sapo_tau_neg,
             args.top_entropy_quantile,
             args.off_policy_mask,
+            args.kl_bias_correction,
         )
 
 
@@ -710,7 +712,7 @@ def micro_batch_loss(
         logps, old, ref, adv, mask, epsilon=o.epsilon, epsilon_high=o.epsilon_high,
         beta=o.beta, loss_type=o.loss_type, max_tokens=o.max_tokens, normalizer=normalizer,
         ratio_level=o.ratio_level, delta=o.delta, surrogate=policy_term(o), weights=weights,
-        stats=stats,
+        kl_bias_correction=o.kl_bias_correction, stats=stats,
     )  # fmt: skip
     return loss, stats
 
@@ -936,6 +938,8 @@ def main(argv=None):
         args.output_dir = distributed.gather_objects(args.output_dir)[0]
         if args.plot is not None:
             return report.curves(args.plot)
+        if args.preset is not None:  # the run's first line: what --preset set
+            print(config.preset_line(args), flush=True)
         # --eval-only --resume: evaluate the checkpoint's policy
         resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
         if args.resume and resume_dir is None:

@@ -1005,9 +1005,11 @@ def bench_rollout(a):
 # δ and ratio level; CISPO and SAPO (TRL's loss types "cispo" and "sapo"); the entropy mask (TRL's
 # top_entropy_quantile); DeepSeek-V3.2's off-policy sequence mask (off_policy_mask_threshold);
 # given per-token and per-completion importance weights (TRL's importance_sampling_ratio, which it
-# applies on its vLLM path only); then gradient accumulation and steps_per_generation
-# (parity_accumulation). parity_engagement and parity_options check that every clip, cap and mask
-# acts on some tokens of the batch (and not on all), so that no case passes vacuously.
+# applies on its vLLM path only); DeepSeek-V3.2's bias-corrected KL (TRL's use_bias_correction_kl:
+# the KL term times the ratio), on-policy and off-policy; then gradient accumulation and
+# steps_per_generation (parity_accumulation). parity_engagement and parity_options check that
+# every clip, cap and mask acts on some tokens of the batch (and not on all), and that the KL's
+# correction moves the gradient, so that no case passes vacuously.
 #
 # Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL value|): absolute for the losses and
 # gradients here, which are of order 1 or less, relative beyond that. Both sides compute in fp32
@@ -1131,7 +1133,9 @@ def parity_options(batch, cases, entropy, trl, trl_entropy):
       trl): not all of them. Each side takes its threshold from its own entropies, so a token
       within their rounding difference of the threshold could fall on either side: the row says
       how far below each side's threshold the highest entropy our mask drops lies, and names every
-      token the two sides keep differently, with both entropies."""
+      token the two sides keep differently, with both entropies.
+    - The bias-corrected KL: how far it moves the gradient w.r.t. the log-probs at θ (β = 0.04,
+      Â = 0: the KL term alone), off-policy and on-policy: it must move it."""
     m, adv = batch["trl"]["completion_mask"].bool(), batch["advantages"]
     log_ratio = torch.where(m, batch["current"] - batch["old"], 0.0)
     seq = log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True)  # [N, 1]
@@ -1190,6 +1194,25 @@ def parity_options(batch, cases, entropy, trl, trl_entropy):
                 fail="keeps every token" if ours.equal(m) else None,
             )
         )
+    if any(c.get("kl_bias_correction") for c in cases):
+        for what, old in (("off-policy", batch["old"]), ("on-policy", None)):
+            grads = []
+            for correct in (False, True):
+                logps = batch["current"].clone().requires_grad_()
+                zero = torch.zeros_like(batch["advantages"])
+                grpo.grpo_loss(
+                    logps, old, batch["ref"], zero, m, beta=0.04, kl_bias_correction=correct
+                ).backward()
+                grads.append(logps.grad)
+            moved = (grads[1] - grads[0]).abs().max().item()
+            rows.append(
+                dict(
+                    what=f"KL x r, {what}",
+                    text=f"moves the KL's gradient w.r.t. log pi_theta by up to {moved:.2e} "
+                    f"(of {grads[0].abs().max().item():.2e})",
+                    fail="moves nothing" if moved == 0 else None,
+                )
+            )
     return rows
 
 
@@ -1200,7 +1223,7 @@ def named_grads(model):
     }
 
 
-def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
+def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None, on_policy=False):
     """Our loss and gradients on batch rows `rows` (a batch of their own), in micro-batches of
     `micro` rows: trainer.policy_update itself, with an optimizer that cannot move the weights
     (SGD at lr 0) and no clipping (max norm inf: clip_grad_norm_ multiplies by exactly 1), so the
@@ -1209,7 +1232,8 @@ def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
     weights: "token" or "sequence", the batch's given importance weights w of that shape, applied
     the way a run applies --sampler-correction's: the rollouts carry sampler log-probs log π_old -
     log w (log w spread evenly over a completion's tokens for "sequence": their sum is log w_i), so
-    trainer.sampler_correction's π_old / π_sampler, truncated to [0, inf] (not at all), is w."""
+    trainer.sampler_correction's π_old / π_sampler, truncated to [0, inf] (not at all), is w.
+    on_policy: no π_old (μ = 1): the ratio is π_θ / sg(π_θ), exactly 1 with a gradient."""
     r, advantages, old, ref = batch["rollouts"], batch["advantages"], batch["old"], batch["ref"]
     mask, correction, sampler = r.completion_mask, None, {}
     if weights is not None:
@@ -1246,7 +1270,7 @@ def parity_ours(model, batch, objective, micro, rows=slice(None), weights=None):
         get_scheduler("constant", optimizer),
         part,
         advantages[rows],
-        old[rows],
+        None if on_policy else old[rows],
         ref[rows] if objective.beta else None,
         objective=objective,
         micro_batch_size=micro,
@@ -1305,7 +1329,7 @@ def parity_trainer(
         entropy_coef=0.0,
         use_adaptive_entropy=False,
         off_policy_mask_threshold=case.get("off_policy_threshold"),
-        use_bias_correction_kl=False,
+        use_bias_correction_kl=case.get("kl_bias_correction", False),
         cast_lm_head_to_fp32=False,
         disable_dropout=True,
     )
@@ -1339,14 +1363,17 @@ def trl_loss(case):
     )
 
 
-def parity_trl(trl_trainer, batch, micro_rows, accumulation=1, weights=None):
+def parity_trl(trl_trainer, batch, micro_rows, accumulation=1, weights=None, on_policy=False):
     """TRL's loss and gradients: compute_loss (which is _compute_loss) on each micro-batch's slice
     of the generation batch, backward after each, as Trainer.training_step does (GRPOTrainer's
     loss_is_scaled_for_ga: Trainer adds no scaling of its own). Returns the sum of the micro-batch
     losses and the accumulated gradients. weights: "token" or "sequence", the batch's given weights
     [N, C] or [N, 1] as the importance_sampling_ratio its vLLM path would compute (the trainer must
-    be parity_trainer's for a case with weights)."""
+    be parity_trainer's for a case with weights). on_policy: no old_per_token_logps in the
+    inputs, as TRL's generation leaves them out at μ = 1 (its loss then takes π_θ's, detached)."""
     inputs = batch["trl"]
+    if on_policy:
+        inputs = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
     if weights is not None:
         inputs = dict(inputs, importance_sampling_ratio=batch["weights"][weights])
     trl_trainer.model.train()
@@ -1404,7 +1431,11 @@ def parity_cases():
     - the off-policy mask: δ (one dropping 3 of the 4 completions with Â < 0, one dropping 1) x
       loss type x β;
     - given weights, per token [N, C] and per completion [N, 1]: each loss type with the clip (β
-      on), CISPO and SAPO."""
+      on), CISPO and SAPO;
+    - the bias-corrected KL (β = 0.04, the KL term times the ratio): each loss type x ratio level,
+      off-policy (π_old as above) and on-policy (no π_old: the ratio is 1, its gradient is not);
+      CISPO and SAPO each way; with the dual clip, which caps the policy term's ratio but not the
+      KL's; and with per-token weights, which weigh the policy term but not the KL."""
     loss_types, betas = ("grpo", "dapo", "dr_grpo"), (0.0, 0.04)
     for loss_type, beta, epsilon_high, delta, ratio_level in itertools.product(
         loss_types, betas, (None, 0.28), (None, 1.5), ("token", "sequence")
@@ -1434,6 +1465,18 @@ def parity_cases():
             yield parity_case(loss_type, 0.04, weights=weights)
         yield parity_case("dapo", 0.0, 1.28 - 1, surrogate="cispo", weights=weights)
         yield parity_case("grpo", 0.04, surrogate="sapo", weights=weights)
+    corrected = dict(kl_bias_correction=True)
+    for on_policy in (False, True):
+        for loss_type, ratio_level in itertools.product(loss_types, ("token", "sequence")):
+            yield parity_case(
+                loss_type, 0.04, ratio_level=ratio_level, on_policy=on_policy, **corrected
+            )
+        yield parity_case(
+            "dapo", 0.04, 1.28 - 1, surrogate="cispo", on_policy=on_policy, **corrected
+        )
+        yield parity_case("grpo", 0.04, surrogate="sapo", on_policy=on_policy, **corrected)
+    yield parity_case("dapo", 0.04, 0.28, 1.5, **corrected)
+    yield parity_case("dapo", 0.04, weights="token", **corrected)
 
 
 def parity_case(loss_type, beta, epsilon_high=None, delta=None, ratio_level="token", **options):
@@ -1448,8 +1491,9 @@ def parity_case(loss_type, beta, epsilon_high=None, delta=None, ratio_level="tok
 
 
 def parity_objective(case, max_tokens):
-    """Our settings for the case: its LossSettings fields (all its keys but "weights")."""
-    settings = {k: v for k, v in case.items() if k != "weights"}
+    """Our settings for the case: its LossSettings fields (all its keys but "weights" and
+    "on_policy")."""
+    settings = {k: v for k, v in case.items() if k not in ("weights", "on_policy")}
     return trainer.LossSettings(epsilon=0.2, max_tokens=max_tokens, **settings)
 
 
@@ -1474,6 +1518,8 @@ def parity_name(case):
     if case.get("weights"):
         shape = "[N,T]" if case["weights"] == "token" else "[N,1]"
         options.append(f"weights {shape}")
+    if case.get("kl_bias_correction"):
+        options.append("KL x r" + (" on-policy (no pi_old)" if case.get("on_policy") else ""))
     return f"{name} {', '.join(options)}".rstrip()
 
 
@@ -1528,6 +1574,66 @@ def parity_accumulation(model, tokenizer, tmp, batch):
     return rows
 
 
+# config.TRL_PRESET's flags against the GRPOConfig fields they stand for: name, or a function of
+# the defaults (a dict) for those that are not one field's value.
+TRL_PRESET_FIELDS = dict(
+    beta="beta",
+    loss_type="loss_type",
+    surrogate=lambda d: {"cispo": "cispo", "sapo": "sapo"}.get(d["loss_type"], "clip"),
+    epsilon="epsilon",
+    epsilon_high="epsilon_high",
+    delta="delta",
+    ratio_level="importance_sampling_level",
+    scale_rewards="scale_rewards",
+    num_iterations="num_iterations",
+    mask_truncated="mask_truncated_completions",
+    top_entropy_quantile="top_entropy_quantile",
+    off_policy_mask="off_policy_mask_threshold",
+    kl_bias_correction="use_bias_correction_kl",
+    num_generations="num_generations",
+    temperature="temperature",
+    top_p="top_p",
+    top_k="top_k",
+    max_new_tokens="max_completion_length",
+    lr="learning_rate",
+    lr_scheduler=lambda d: str(getattr(d["lr_scheduler_type"], "value", d["lr_scheduler_type"])),
+    warmup_steps="warmup_steps",
+    weight_decay="weight_decay",
+    max_grad_norm="max_grad_norm",
+    # per_device_train_batch_size counts completions: groups of num_generations
+    batch_size=lambda d: d["per_device_train_batch_size"] / d["num_generations"],
+    gradient_accumulation_steps="gradient_accumulation_steps",
+    dropout=lambda d: not d["disable_dropout"],
+)
+
+
+def preset_against_trl():
+    """Each flag of --preset trl against the installed TRL's GRPOConfig default it stands for
+    (dataclass field defaults: no config is built). Returns rows of dict(what, text, fail)."""
+    from trl import GRPOConfig
+
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(GRPOConfig)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    rows, differ = [], []
+    for name, value in config.TRL_PRESET.items():
+        field = TRL_PRESET_FIELDS[name]
+        theirs = field(defaults) if callable(field) else defaults[field]
+        if theirs != value:
+            differ.append(f"{name} {value!r} (TRL: {theirs!r})")
+    rows.append(
+        dict(
+            what="--preset trl",
+            text=f"{len(config.TRL_PRESET) - len(differ)} of {len(config.TRL_PRESET)} flags are "
+            "the installed GRPOConfig's defaults" + "".join(f"; DIFFERS: {d}" for d in differ),
+            fail=f"differs on {', '.join(differ)}" if differ else None,
+        )
+    )
+    return rows
+
+
 def worker_parity(a):
     """e. (runs in the bench env): the table's rows, how far TRL's per-token log-probs and
     entropies are from ours, and what each clip, cap and mask acts on."""
@@ -1547,14 +1653,13 @@ def worker_parity(a):
     rows, cases = [], list(parity_cases())
     for case in cases:
         trl_trainer = parity_trainer(model, tokenizer, tmp, case, n)
-        weights = case.get("weights")
+        weights, on_policy = case.get("weights"), case.get("on_policy", False)
+        objective = parity_objective(case, mask.shape[1])
         rows.append(
             parity_compare(
                 parity_name(case),
-                parity_ours(
-                    model, batch, parity_objective(case, mask.shape[1]), n, weights=weights
-                ),
-                parity_trl(trl_trainer, batch, [slice(None)], weights=weights),
+                parity_ours(model, batch, objective, n, weights=weights, on_policy=on_policy),
+                parity_trl(trl_trainer, batch, [slice(None)], weights=weights, on_policy=on_policy),
             )
         )
     # TRL's per-token log-probs and entropies (its fused head at T) against ours (token_logprobs at
@@ -1578,7 +1683,8 @@ def worker_parity(a):
         entropy_diff=((trl_entropy - entropy) * mask).abs().max().item(),
         tokens=int(mask.sum()),
         engaged=parity_engagement(batch),
-        options=parity_options(batch, cases, entropy, trl_trainer, trl_entropy),
+        options=parity_options(batch, cases, entropy, trl_trainer, trl_entropy)
+        + preset_against_trl(),
     )
 
 

@@ -43,6 +43,7 @@ def refusal(argv):
         ),
         (["--log-mismatch", "--num-beams", "4"], "--log-mismatch needs each sampled token's log-prob"),
         (["--sampler-correction", "token_mask", "--num-beams", "4"], "--sampler-correction needs each"),
+        (["--kl-bias-correction", "--beta", "0"], "--kl-bias-correction multiplies the KL term"),
     ],
 )  # fmt: skip
 def test_objective_flags_that_cannot_work_are_refused_before_any_model_loads(
@@ -59,6 +60,101 @@ def test_objective_flags_that_work_parse_and_reach_the_loss_settings(tmp_path):
     args = config.parse_args(tiny_argv(tmp_path, "--sampler-correction", "sequence_mask"))
     assert sampling.Sampling.of(args).keep_logps  # the decode keeps the log-probs it needs
     assert not sampling.Sampling.of(config.parse_args(tiny_argv(tmp_path))).keep_logps
+
+
+# --- --kl-bias-correction and --preset trl (docs/trl.md)
+def test_kl_bias_correction_reaches_the_loss_settings_and_is_off_by_default(tmp_path):
+    assert not trainer.LossSettings.of(config.parse_args(tiny_argv(tmp_path))).kl_bias_correction
+    args = config.parse_args(tiny_argv(tmp_path, "--kl-bias-correction"))  # the demo's β = 0.04
+    assert trainer.LossSettings.of(args).kl_bias_correction
+
+
+def test_kl_bias_correction_off_gives_the_loss_and_gradient_of_eq_3_bit_for_bit(tmp_path):
+    # micro_batch_loss with the option off (the default) against grpo_loss called as before it
+    # existed; on, at μ = 1, the same loss (r = 1) and another gradient.
+    torch.manual_seed(0)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 3:] = 0
+    rollouts = sampling.Rollouts(torch.zeros(4, 6, dtype=torch.long), mask, mask, [""] * 4, 4, 1.0)
+    logps0, ref = -torch.rand(4, 6) * 3, -torch.rand(4, 6) * 3
+    adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    settings = config.parse_args(tiny_argv(tmp_path, "--loss-type", "dapo"))
+    results = []
+    for objective in (
+        trainer.LossSettings.of(settings),
+        trainer.LossSettings.of(config.parse_args(tiny_argv(tmp_path, "--kl-bias-correction"))),
+    ):
+        logps = logps0.clone().requires_grad_()
+        loss, _ = trainer.micro_batch_loss(
+            logps, None, rollouts, slice(None), 6, adv, None, ref, objective, None, None
+        )
+        loss.backward()
+        results.append((loss.detach(), logps.grad))
+    logps = logps0.clone().requires_grad_()
+    plain = grpo.grpo_loss(logps, None, ref, adv, mask, beta=0.04, loss_type="dapo", max_tokens=6)
+    plain.backward()
+    assert torch.equal(results[0][0], plain.detach()) and torch.equal(results[0][1], logps.grad)
+    assert not torch.equal(results[1][1], logps.grad)
+
+
+def test_preset_trl_sets_trls_grpoconfig_defaults_over_ours(tmp_path):
+    args = config.parse_args([*CPU, "--preset", "trl", "--output-dir", str(tmp_path)])
+    for name, value in config.TRL_PRESET.items():
+        assert getattr(args, name) == value, name
+    # where TRL's defaults are not ours (read from trl 1.16.0's GRPOConfig; docs/trl.md)
+    assert (args.beta, args.loss_type, args.kl_bias_correction, args.lr) == (
+        0.0,
+        "dapo",
+        True,
+        1e-6,
+    )
+    assert (args.temperature, args.top_p, args.top_k, args.max_new_tokens) == (1.0, 1.0, 0, 512)
+    assert (args.batch_size, args.gradient_accumulation_steps, args.dropout) == (1, 1, True)
+    # over a task's own defaults too (--task addition: lr 2e-5, constant, β 0.04)
+    args = config.parse_args([*CPU, "--task", "addition", "--preset", "trl", "--output-dir", "x"])
+    assert (args.lr, args.lr_scheduler, args.beta) == (1e-6, "linear", 0.0)
+    assert config.preset_line(config.parse_args([*CPU, "--output-dir", "x"])) is None
+
+
+def test_preset_trl_yields_to_each_flag_given_and_its_line_says_which(tmp_path):
+    argv = [*CPU, "--preset", "trl", "--output-dir", str(tmp_path), "--beta", "0.04", "--lr"]
+    args = config.parse_args([*argv, "3e-6", "--loss-type", "grpo", "--max-new-tokens", "64"])
+    assert (args.beta, args.lr, args.loss_type, args.max_new_tokens) == (0.04, 3e-6, "grpo", 64)
+    assert args.kl_bias_correction and args.top_k == 0  # the rest is the preset's
+    line = config.preset_line(args)
+    assert line.startswith("--preset trl (TRL 1.16 GRPOConfig's defaults) set: ")
+    assert " --kl-bias-correction " in line and " --top-k 0 " in line and " --dropout" in line
+    assert line.endswith(
+        "; given, kept: --beta 0.04 --loss-type grpo --max-new-tokens 64 --lr 3e-06"
+    )
+    assert "--beta 0 " not in line and "--lr 1e-06" not in line
+    # the switches it turns on turn off with --no-NAME
+    args = config.parse_args([*argv, "1e-6", "--no-dropout", "--no-kl-bias-correction"])
+    assert not args.dropout and not args.kl_bias_correction
+    assert config.preset_line(args).endswith(
+        "kept: --beta 0.04 no --kl-bias-correction no --dropout"
+    )
+
+
+def test_a_run_with_the_preset_prints_its_line_first(tmp_path, monkeypatch, capsys):
+    # Stopped just after the flags (before the model loads): the line comes first.
+    def stop(*args):
+        raise config.UserError("stopped here")
+
+    monkeypatch.setattr(trainer, "setup", stop)
+    with pytest.raises(SystemExit):
+        trainer.main(tiny_argv(tmp_path, "--preset", "trl", "--lr", "1e-3"))
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "--preset trl (TRL 1.16 GRPOConfig's defaults) set: --beta 0 --loss-type dapo"
+    )
+    given = (
+        "given, kept: --num-generations 4 --lr 0.001 --batch-size 2 --gradient-accumulation-steps 2"
+    )
+    assert out.splitlines()[0].endswith(given)  # tiny_argv's flags and --lr
+    with pytest.raises(SystemExit):
+        trainer.main(tiny_argv(tmp_path / "plain"))
+    assert "--preset" not in capsys.readouterr().out
 
 
 # --- what the decode records of each sampled token
@@ -174,6 +270,7 @@ def test_the_helper_and_the_rollouts_see_the_decodes_record():
             ["sampler_masked", "mismatch_kl", "mismatch_max_ratio", "truncation_gap"],
         ),
         (["--log-mismatch"], ["mismatch_kl", "mismatch_max_ratio", "truncation_gap"]),
+        (["--kl-bias-correction", "--num-iterations", "2"], []),
     ],
 )
 def test_a_run_with_each_option_logs_its_share_and_a_finite_loss(tmp_path, extra, keys):
