@@ -94,9 +94,10 @@ def test_readme_file_tree_names_every_file_and_folder_at_the_root_and_nothing_el
     assert named == at_root
 
 
-def test_the_root_holds_at_most_10_python_files_and_every_other_test_is_in_tests():
+def test_the_root_holds_at_most_11_python_files_and_every_other_test_is_in_tests():
+    # 10, and process supervision (DeepSeekMath §4.1.3), a part of the paper in its own file
     root_py = sorted(name for name in root_names() if name.endswith(".py"))
-    assert len(root_py) <= 10 and [n for n in root_py if n.startswith("test_")] == ["test_grpo.py"]
+    assert len(root_py) <= 11 and [n for n in root_py if n.startswith("test_")] == ["test_grpo.py"]
 
 
 @pytest.mark.slow
