@@ -260,8 +260,9 @@ def as_steps(name, values, completions):
             except (TypeError, ValueError):
                 raise UserError(
                     f"{where}, whose step {k} is {step!r}: each step is a pair (end, reward), end "
-                    f"an int (a character offset: the step is text[:end]) and reward a number. "
-                    f"{began}"
+                    f"an int (a character offset: the step is text[:end]) and reward a number (a "
+                    f"list for a completion makes a process reward; an outcome reward returns one "
+                    f"number per completion). {began}"
                 ) from None
             if end < 0:
                 raise UserError(

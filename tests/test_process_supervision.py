@@ -218,6 +218,8 @@ def test_no_steps_equal_steps_and_more_steps_than_tokens_are_defined_and_finite(
         ([[(5, "high")], []], "each step is a pair (end, reward)"),
         ([[(5, 1.0)], 0.5], "a process reward returns a list of (end, reward) pairs"),
         ([0.5, [(5, 1.0)]], "is not a number"),
+        # an outcome reward's numbers each in a list: read as steps, and said so
+        ([[1.0], [0.0]], "an outcome reward returns one number per completion"),
     ],
 )
 def test_a_malformed_step_list_is_a_clear_error_naming_the_function(returned, said):
