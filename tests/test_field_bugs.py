@@ -428,6 +428,7 @@ def test_a_group_with_equal_rewards_adds_no_policy_gradient_but_keeps_its_kl_and
 # position).
 
 
+@pytest.mark.slow  # two end-to-end runs each (docs/tests.md: such tests run in the slow lane)
 @pytest.mark.parametrize("skip", ["no spread", "non-finite loss"])
 def test_resume_after_a_step_without_update_goes_on_from_the_next_batch_exactly(
     tmp_path, monkeypatch, skip
