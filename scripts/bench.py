@@ -486,9 +486,9 @@ class LengthsSeenTask(data.Task):
 
     scored_lengths: list = dataclasses.field(default_factory=list)
 
-    def score(self, rows, completions, G=1, lengths=None, tool_calls=None):
+    def score(self, rows, completions, G=1, lengths=None, tool_calls=None, steps=None):
         self.scored_lengths.append(lengths.tolist())
-        return super().score(rows, completions, G, lengths, tool_calls)
+        return super().score(rows, completions, G, lengths, tool_calls, steps)
 
 
 def loop_flags(a, output_dir):
