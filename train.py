@@ -99,10 +99,10 @@ def parse_args(argv=None):
         if kind is bool:
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
         else:
-            action = "append" if kind is tuple else "store"
+            action, default = ("append", list(f.default)) if kind is tuple else ("store", f.default)
             kind = str if kind is tuple else kind
             parser.add_argument(
-                flag, type=kind, action=action, help=f.metadata["help"], default=f.default
+                flag, type=kind, action=action, help=f.metadata["help"], default=default
             )
     parser.parse_args(argv)  # --help; a flag this file does not take: one line, exit 2
     flags = config.parse_args(argv)

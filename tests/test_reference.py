@@ -151,8 +151,13 @@ def test_the_reference_help_prints_each_flags_default(capsys):
         train.parse_args(["--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for f in dataclasses.fields(train.Args):
-        assert f"(default: {f.default})" in shown, f.name
+        default = list(f.default) if isinstance(f.default, tuple) else f.default
+        assert f"(default: {default})" in shown, f.name
     assert "(default: SmolLM2-1.7B-Instruct)" in shown and "(default: 0.04)" in shown
+    # a repeatable flag still repeats (its default, shown as [], is a new list at each parse)
+    for _ in range(2):
+        argv = [*CPU, "--output-dir", "x", "--reward-fn", "last-number", "--reward-fn", "format"]
+        assert train.parse_args(argv)[0].reward_fn == ["last-number", "format"]
 
 
 @pytest.mark.parametrize(
