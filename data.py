@@ -384,17 +384,7 @@ def tool_prompt(tokenizer, question):
     """--task multiplication --tool calculator's prompt: TOOL_SYSTEM_PROMPT, TOOL_EXAMPLE as a
     user turn and the assistant's reply, then the question; without a chat template, the same as
     plain text (chat_prompt's form)."""
-    user, reply = TOOL_EXAMPLE
-    if getattr(tokenizer, "chat_template", None) is None:
-        example = f"{TOOL_SYSTEM_PROMPT}\n\n{user}\n{reply}"
-        return chat_prompt(tokenizer, question, example)
-    turns = [
-        {"role": "system", "content": TOOL_SYSTEM_PROMPT},
-        {"role": "user", "content": user},
-        {"role": "assistant", "content": reply},
-        {"role": "user", "content": question},
-    ]
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return example_prompt(TOOL_SYSTEM_PROMPT, TOOL_EXAMPLE, tokenizer, question)
 
 
 def multiplication_row(a, b):
