@@ -160,8 +160,8 @@ def majority_index(answers):
     counts = collections.Counter(a for a in answers if a is not None)
     if not counts:
         return 0
-    most = max(counts.values())
-    return next(i for i, a in enumerate(answers) if a is not None and counts[a] == most)
+    # a Counter keeps the order answers were first given, and max the first of equals
+    return answers.index(max(counts, key=counts.get))
 
 
 def answer_of(fn, response):
