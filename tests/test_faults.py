@@ -691,6 +691,7 @@ def test_bad_input_gets_a_one_paragraph_error_and_exit_code_2(tmp_path, monkeypa
         assert text in err
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 def test_plot_of_a_metrics_line_that_is_a_json_array_exits_2_with_one_paragraph(tmp_path):
     # The old report.py command line printed this paragraph but exited 1; trainer.py --plot, the
     # only command line left, exits 2 as for any bad input.

@@ -117,6 +117,7 @@ def test_a_huge_allocation_under_the_memory_limit_exits_2_naming_it(tmp_path):
     assert "error: reward function 'greedy' raised MemoryError" in err
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 def test_argparse_at_import_is_one_paragraph_naming_the_flag_and_module(tmp_path, monkeypatch):
     (tmp_path / "cli_rewards.py").write_text(
         "import argparse\nargparse.ArgumentParser().parse_args()\ndef f(c, a):\n    return c\n"
@@ -130,6 +131,7 @@ def test_argparse_at_import_is_one_paragraph_naming_the_flag_and_module(tmp_path
     )
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 def test_an_extractor_that_hangs_is_stopped_at_the_timeout_and_named(tmp_path):
     (tmp_path / "hangs.py").write_text(
         "import time\ndef answer(completion):\n    while True:\n        try:\n"

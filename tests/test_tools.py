@@ -261,6 +261,7 @@ def test_a_tool_that_raises_returns_its_error_and_an_unknown_tool_is_named():
     assert calc.run("calculator 9**9**9")[0].startswith("error: ")
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 def test_a_hanging_tool_in_the_worker_stops_the_run_naming_it(tmp_path, monkeypatch):
     (tmp_path / "my_tools.py").write_text(
         textwrap.dedent(

@@ -63,6 +63,7 @@ def address_space(*args):
 """
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 def test_under_a_lower_hard_limit_each_worker_takes_it_and_the_run_says_so_once(tmp_path):
     # the trainer's side alone (no model): two workers, as --reward-fn and --extract-answer (or
     # --tool) each start one, under a hard limit of 15.26 GiB
@@ -203,6 +204,7 @@ def clean_up(directory):
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 @needs_proc
 def test_sigkill_of_the_trainer_during_a_hung_tool_ends_the_worker(tmp_path):
     (tmp_path / "forks.py").write_text(FORKS)
@@ -251,6 +253,7 @@ def test_a_tool_that_forks_then_dies_is_named_at_once_and_its_child_ends_with_th
         clean_up(tmp_path)
 
 
+@pytest.mark.slow  # a subprocess or the worker process: over a second
 @needs_proc
 def test_a_hung_tool_past_its_timeout_is_ended_with_the_children_it_forked(tmp_path):
     (tmp_path / "forks.py").write_text(FORKS)
