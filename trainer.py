@@ -24,6 +24,7 @@ from dataclasses import dataclass
 # Under torchrun, the first rank to exit makes torchrun SIGTERM the others. A flag error is every
 # rank's: SIGTERM waits until this rank has read its flags (main), so one still importing torch is
 # not stopped before it can say so and exit with 2 (exit_every_rank_alike).
+# (WORLD_SIZE read as support/distributed.launched_world reads it, which imports torch.)
 if __name__ == "__main__" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
@@ -937,8 +938,8 @@ def main(argv=None):
     stderr and exit code 2, not a traceback."""
     try:
         args = config.parse_args(argv)
-        # blocked at the top, under torchrun
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if __name__ == "__main__":  # the flags are read: SIGTERM, held at the top, is delivered
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         distributed.init(args.device)  # under torchrun: join the process group; alone, nothing
         # saved with a checkpoint: --resume must use as many processes
         args.world_size = distributed.world()
