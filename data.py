@@ -72,14 +72,14 @@ class Task:
         """The names of the task's fields (train and held-out rows), computed once."""
         return field_names(self.train + self.eval)
 
-    def score(self, rows, completions, G=1, lengths=None, tool_calls=None, steps=None):
+    def score(self, rows, completions, G=1, lengths=None, tool_calls=None, steps=None, here=False):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G
         first, as sampled) and each function's {name: [N]}. The functions see the responses (prefix
         + completion) and each row's answer, and, when they declare them, its prompt (`prompts`) and
         its other fields, G times each, each completion's token count (`completion_lengths`, from
         `lengths` [N]) and its number of tool calls (`tool_calls`, from `tool_calls` [N]; 0 each
         when the task has no tools). steps: a dict that receives a process reward's steps
-        (rewards.score)."""
+        (rewards.score). here: the functions called as train.py calls them (rewards.call_here)."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
@@ -91,7 +91,7 @@ class Task:
         calls = [0] * len(rows) if tool_calls is None else [int(n) for n in tool_calls]
         columns["tool_calls"] = calls
         responses, answers = self.responses(completions), [row["answer"] for row in rows]
-        return rewards.score(self.rewards, responses, answers, steps, **columns)
+        return rewards.score(self.rewards, responses, answers, steps, here, **columns)
 
 
 def field_names(rows):

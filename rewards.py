@@ -324,7 +324,7 @@ def weighted(named_fns, weights, timeout=DEFAULT_TIMEOUT):
     ]
 
 
-def score(reward_fns, completions, answers, steps=None, /, **columns):
+def score(reward_fns, completions, answers, steps=None, here=False, /, **columns):
     """Total reward [N] = sum of weight * fn(completions, answers, **the columns fn declares), and
     each function's rewards {name: [N]}. columns: prompts=[N], and any data field =[N].
 
@@ -346,10 +346,9 @@ def score(reward_fns, completions, answers, steps=None, /, **columns):
     "steps" is a column like any other)."""
     import torch
 
-    per_fn = {}
+    per_fn, call = {}, call_here if here else sandbox.call_reward
     for r in reward_fns:
-        declared = sandbox.declared_columns(r.fn, columns)
-        per_fn[r.name] = sandbox.call_reward(r, completions, answers, declared)
+        per_fn[r.name] = call(r, completions, answers, declared_columns(r.fn, columns))
         if isinstance(per_fn[r.name], sandbox.Steps):
             if steps is not None:
                 steps[r.name] = per_fn[r.name]
@@ -362,6 +361,45 @@ def score(reward_fns, completions, answers, steps=None, /, **columns):
 # The run's rewards from trainer.py's flags: --reward-fn, --reward-model, --reward-weights,
 # --reward-timeout and --overlong-buffer (from_flags), and --extract-answer's function
 # (load_reward_fn). Whatever cannot work is a UserError now, not at step 1.
+
+
+def declared_columns(fn, columns):
+    """The columns {name: [value per completion]} that fn declares as parameters (all of them for
+    **kwargs), except any named like its first two parameters (the completions and the answers,
+    passed by position)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    first_two = [
+        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][:2]
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
+
+
+def call_here(r, completions, answers, columns):
+    """How train.py calls a reward function (score(..., here=True)): in this process, on the
+    batch itself, with no time limit (Ctrl-C stops one that hangs, and the step is saved).
+    trainer.py's sandbox.call_reward adds each function its own copies of the arguments, a time
+    limit and a worker process. What it raises or returns wrong is the same error as there: a
+    UserError naming the function (sandbox.as_rewards checks what is not one finite float32
+    number per completion, and turns a process reward's steps into sandbox.Steps)."""
+    import torch
+
+    try:
+        values = r.fn(completions, answers, **columns)
+    except sandbox.NOT_REWARD_ERRORS:
+        raise
+    except BaseException as e:  # SystemExit too: a reward function does not end the run
+        message = sandbox.exception_message(r.name, e, r.fn, completions, answers, columns)
+        raise UserError(message) from None
+    try:  # the common case, one finite number per completion: as as_rewards makes it, at once
+        rewards = torch.as_tensor(values, dtype=torch.float32, device="cpu")
+        fine = rewards.shape == (len(completions),) and bool(rewards.isfinite().all())
+    except (TypeError, ValueError, RuntimeError):
+        fine = False
+    return rewards if fine else sandbox.as_rewards(r.name, values, completions)
 
 
 def from_flags(args, defaults, fields=()):

@@ -225,7 +225,8 @@ def train(run, args):
             # 8: compute the rewards r_i of each o_i: [B*G], each function's {name: [B*G]}, and
             # a process reward's steps (§4.1.3): {name: [(end, reward), ...] for each o_i}
             steps = {}
-            reward, per_fn = task.score(rows, rollouts.texts, G, rollouts.lengths, steps=steps)
+            texts, lengths = rollouts.texts, rollouts.lengths
+            reward, per_fn = task.score(rows, texts, G, lengths, steps=steps, here=True)
             mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
             # 9: Â_{i,t} [N, C]. Outcome supervision: (r_i - mean(r)) / std(r) over o_i's group,
             # for every token t. Process supervision (§4.1.3), where a reward returned steps: the

@@ -11,7 +11,6 @@ what it cannot interrupt).
 
 import contextlib
 import copy
-import inspect
 import operator
 import signal
 import threading
@@ -24,21 +23,6 @@ from support.worker import import_function, raised_at  # noqa: F401 (sandbox.imp
 # float32's largest finite value (torch.finfo(torch.float32).max): torch is not imported here, as
 # the worker process (support/worker.py) imports this file and needs no torch
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-def declared_columns(fn, columns):
-    """The columns {name: [value per completion]} that fn declares as parameters (all of them for
-    **kwargs), except any named like its first two parameters (the completions and the answers,
-    passed by position)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-    first_two = [
-        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ][:2]
-    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
 
 
 def call_reward(r, completions, answers, kwargs):
