@@ -105,25 +105,15 @@ def sample_rollouts(
     in."""
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
-    # [B, P]
-    prompt_ids, prompt_mask = tokenize_prompts(
-        tokenizer, prompts, device, prompt_limit(model, settings)
-    )
+    limit = prompt_limit(model, settings)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)  # [B, P]
     n = prompt_ids.shape[0] * group_size
     session = None if tools is None else tools.session(tokenizer, n, settings.max_new_tokens)
-    record = {} if settings.keep_logps else None
+    record, pad = {} if settings.keep_logps else None, tokenizer.pad_token_id
     with autocast(device, autocast_dtype):
-        completion_ids = decode.generate(
-            model,
-            prompt_ids,
-            prompt_mask,
-            settings,
-            group_size,
-            eos,
-            tokenizer.pad_token_id,
-            session,
-            record,
-        )  # [B*G, C]
+        completion_ids = decode.generate(  # [B*G, C]
+            model, prompt_ids, prompt_mask, settings, group_size, eos, pad, session, record
+        )
     C = completion_ids.shape[1]
     forced = None if session is None else session.forced[:, :C].to(device)  # [B*G, C]
     # Up to and including the first EOS the model sampled (a forced token never ends a
@@ -144,16 +134,8 @@ def sample_rollouts(
         )
     if record is not None:  # on the sampled tokens up to EOS (the decode wrote 0 elsewhere)
         counts.update(sampler_logps=record["drawn"] * mask, log_kept=record["log_kept"] * mask)
-    return Rollouts(
-        sequences,
-        attention_mask,
-        mask,
-        completion_texts(tokenizer, completion_ids, within),
-        group_size,
-        settings.temperature,
-        truncated,
-        **counts,
-    )
+    texts, T = completion_texts(tokenizer, completion_ids, within), settings.temperature
+    return Rollouts(sequences, attention_mask, mask, texts, group_size, T, truncated, **counts)
 
 
 def token_logprobs(
@@ -188,53 +170,31 @@ def token_logprobs(
         )
     if group_size < 1 or n % group_size:
         raise ValueError(f"{n} rows cannot be split into groups of {group_size}")
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [N, P + C]
-    targets = input_ids[:, -c:]  # [N, C]
-    p = length - c
+    ids, attn, G, p = input_ids, attention_mask, group_size, length - c
+    pos = (attn.long().cumsum(dim=1) - 1).clamp(min=0)  # position ids [N, P + C]
+    targets = ids[:, -c:]  # [N, C]
     # Gradient checkpointing turns the cache off in training, so the shared-prompt path cannot run
     # there. Under FSDP2 every rank must run the same forwards: the plain path (one forward)
     # whatever its completions' length.
     if group_size > 1 and not is_checkpointing(model) and not decode.is_sharded(model):
         # Each prompt once: [B, P]. Its last position predicts every row's first completion token.
-        first, head, cache = _features(
-            model,
-            input_ids[::group_size, :p],
-            attention_mask[::group_size, :p],
-            position_ids[::group_size, :p],
-            1,
-            use_cache=True,
-        )
+        first, head, cache = _features(model, ids[::G, :p], attn[::G, :p], pos[::G, :p], 1, True)
         if cache is not None and hasattr(cache, "batch_repeat_interleave"):
-            # [N, 1] each
-            first = _logprobs(
-                first.repeat_interleave(group_size, dim=0),
-                head,
-                targets[:, :1],
-                temperature,
-                chunk_size,
-                entropy,
-            )
+            first = first.repeat_interleave(G, dim=0)  # [N, 1, H] (or V)
+            first = _logprobs(first, head, targets[:, :1], temperature, chunk_size, entropy)
             if c == 1:
                 return first if entropy else first[0]
-            cache.batch_repeat_interleave(group_size)  # [B, ...] -> [B*G, ...]
+            cache.batch_repeat_interleave(G)  # [B, ...] -> [B*G, ...]
             # Completion tokens 0..C-2 predict tokens 1..C-1, attending to the cached prompt and
             # each other.
             rest, head, _ = _features(
-                model,
-                input_ids[:, p:-1],
-                attention_mask[:, :-1],
-                position_ids[:, p:-1],
-                c - 1,
-                use_cache=True,
-                cache=cache,
+                model, ids[:, p:-1], attn[:, :-1], pos[:, p:-1], c - 1, True, cache
             )
             rest = _logprobs(rest, head, targets[:, 1:], temperature, chunk_size, entropy)
             logps, entropies = (torch.cat(pair, dim=1) for pair in zip(first, rest))
             return (logps, entropies) if entropy else logps
     # Plain path: positions P-1 .. P+C-2 predict the C completion tokens.
-    features, head, _ = _features(
-        model, input_ids[:, :-1], attention_mask[:, :-1], position_ids[:, :-1], c
-    )
+    features, head, _ = _features(model, ids[:, :-1], attn[:, :-1], pos[:, :-1], c)
     logps, entropies = _logprobs(features, head, targets, temperature, chunk_size, entropy)
     return (logps, entropies) if entropy else logps
 
@@ -259,13 +219,9 @@ def frozen_logps(model, rollouts, micro_batch_size, autocast_dtype=None, shared_
     for rows in micro_batches(N, micro_batch_size):
         ids, attn, keep = micro_batch_inputs(rollouts, rows)
         with autocast(ids.device, autocast_dtype), adapters_off():
+            G = rollouts.group_size if shared_prompt else 1
             out[rows, :keep] = token_logprobs(
-                net,
-                ids,
-                attn,
-                keep,
-                rollouts.temperature,
-                group_size=rollouts.group_size if shared_prompt else 1,
+                net, ids, attn, keep, rollouts.temperature, group_size=G
             )
     net.train(was_training)
     return out
@@ -281,11 +237,8 @@ def micro_batch_inputs(rollouts, rows):
     leading prompt padding (position ids come from the mask, so dropping all-pad columns changes
     nothing) and the completion columns after its longest completion. Returns (ids, mask,
     completion columns kept)."""
-    ids, attn, mask = (
-        rollouts.input_ids[rows],
-        rollouts.attention_mask[rows],
-        rollouts.completion_mask[rows],
-    )
+    ids, attn = rollouts.input_ids[rows], rollouts.attention_mask[rows]
+    mask = rollouts.completion_mask[rows]
     P = rollouts.prompt_length
     first = int(attn[:, :P].any(0).nonzero()[0]) if attn[:, :P].any() else P - 1
     # up to the last column in the loss: with tools a completion's loss mask has holes (forced
@@ -503,13 +456,8 @@ def _features(
     """
     head = _plain_linear_head(model)
     key = decode.cache_keyword(model.model if head is not None else model)
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        key: cache,
-        "use_cache": use_cache,
-    }
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    kwargs.update({key: cache, "use_cache": use_cache})
     # --compile: the same forward, compiled
     compiled = decode.compiled_forward(model)
     if head is not None:
@@ -526,14 +474,11 @@ def _logprobs(features, head, targets, temperature, chunk_size, with_entropy):
     _features' output."""
     n, k = targets.shape
     flat = features.reshape(n * k, features.shape[-1])
+    t, args = targets.reshape(-1), (temperature, chunk_size, with_entropy)
     if head is not None:
-        logps, entropy = _LinearLogprobs.apply(
-            flat, head.weight, targets.reshape(-1), temperature, chunk_size, with_entropy
-        )
+        logps, entropy = _LinearLogprobs.apply(flat, head.weight, t, *args)
     else:
-        logps, entropy = _chosen_logprobs(
-            flat, targets.reshape(-1), temperature, chunk_size, with_entropy
-        )
+        logps, entropy = _chosen_logprobs(flat, t, *args)
     return logps.view(n, k), entropy.view(n, k)
 
 
@@ -545,14 +490,12 @@ PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 def _plain_linear_head(model):
     """The lm-head Linear when the model's logits are exactly hidden @ Wᵀ, else None (use the
     logits path)."""
-    config = getattr(model, "config", None)
-    head = getattr(model, "lm_head", None)
-    if (
-        getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES
-        or not isinstance(head, torch.nn.Linear)
-        or head.bias is not None
-        or getattr(model, "model", None) is None
-    ):
+    config, head = getattr(model, "config", None), getattr(model, "lm_head", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if getattr(model, "model", None) is None:
         return None
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
@@ -612,21 +555,19 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy=True):
         device = hidden.device.type
-        dtype = (
-            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        )
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         lse, entropy = torch.empty_like(out), torch.zeros_like(out)
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             for s in range(0, h.shape[0], chunk_size):
-                logits = (h[s : s + chunk_size] @ w.T).float() / temperature  # [chunk, V]
-                lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
-                out[s : s + chunk_size] = logits.gather(
-                    -1, targets[s : s + chunk_size, None]
-                ).squeeze(-1)
+                k = slice(s, s + chunk_size)  # this chunk's rows
+                logits = (h[k] @ w.T).float() / temperature  # [chunk, V]
+                lse[k] = torch.logsumexp(logits, dim=-1)
+                out[k] = logits.gather(-1, targets[k, None]).squeeze(-1)
                 if with_entropy:  # not for π_ref's pass, where nothing reads it
-                    entropy[s : s + chunk_size] = _entropy(logits, lse[s : s + chunk_size])
+                    entropy[k] = _entropy(logits, lse[k])
         # The last chunk's logits are kept for backward, which starts with it: a batch that fits in
         # one chunk (a typical micro-batch) is never recomputed, at the cost of holding one [chunk,
         # V] block until backward.
@@ -641,29 +582,23 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, last = ctx.saved_tensors
         size, device = ctx.chunk_size, hidden.device.type
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        )
+        fp32 = torch.float32
+        grad_weight = torch.zeros_like(weight, dtype=fp32) if ctx.needs_input_grad[1] else None
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
             starts = list(range(0, h.shape[0], size))
             for s in reversed(starts):
-                logits = (
-                    last if s == starts[-1] else (h[s : s + size] @ w.T).float() / ctx.temperature
-                )
+                k = slice(s, s + size)  # this chunk's rows
+                logits = last if s == starts[-1] else (h[k] @ w.T).float() / ctx.temperature
                 # d logp / d logits = onehot(target) - softmax, times the incoming gradient and
                 # 1/temperature
-                grad_logits = -torch.exp(logits - lse[s : s + size, None])
-                grad_logits.scatter_add_(
-                    -1, targets[s : s + size, None], torch.ones_like(grad_logits[:, :1])
-                )
-                grad_logits = (grad_logits * (grad_out[s : s + size, None] / ctx.temperature)).to(
-                    ctx.dtype
-                )
+                grad_logits = -torch.exp(logits - lse[k, None])
+                grad_logits.scatter_add_(-1, targets[k, None], torch.ones_like(grad_logits[:, :1]))
+                grad_logits = (grad_logits * (grad_out[k, None] / ctx.temperature)).to(ctx.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[s : s + size] = grad_logits @ w
+                    grad_hidden[k] = grad_logits @ w
                 if grad_weight is not None:
-                    grad_weight += (grad_logits.T @ h[s : s + size]).float()
+                    grad_weight += (grad_logits.T @ h[k]).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

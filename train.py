@@ -27,6 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from transformers import get_scheduler, set_seed
 
@@ -168,12 +169,13 @@ def setup(args, flags):
         step = checkpoint.restore(resume_dir, flags, optimizer, scheduler, None, ref_model)
         checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     log, evals = report.open_log(args.output_dir, step if resume_dir else None, flags)
+    columns = report.columns(report.read_metrics(args.output_dir)[0])  # curves.png's data
     report.print_header(flags, model)
     report.print_data(task, args.eval_limit)
     return SimpleNamespace(
         flags=flags, task=task, model=model, ref_model=ref_model, peft=peft, tokenizer=tokenizer,
         optimizer=optimizer, scheduler=scheduler, scaler=None, dtype=dtype, start=step, log=log,
-        evals=evals, times=[], skipped_in_a_row=0,
+        evals=evals, columns=columns, times=[], skipped_in_a_row=0,
     )  # fmt: skip
 
 
@@ -294,7 +296,8 @@ def train(run, args):
     if len(run.evals) > 1:
         count = len(task.eval[: args.eval_limit])
         report.print_eval_table(run.evals, count, args.eval_samples, run.flags.eval_temperature)
-    report.curves(args.output_dir)
+    evals = [{"step": s, **{f"eval/{k}": v for k, v in e.items()}} for s, e in run.evals]
+    report.draw(args.output_dir, run.columns, evals)  # OUTPUT_DIR/curves.png
     return run.evals
 
 
@@ -325,14 +328,34 @@ def optimizer_step(run, args, sums, lr):
 
 
 def log_step(run, args, done, rows, rollouts, reward, per_fn, updates, started):
-    """Step `done`'s metrics: one line in OUTPUT_DIR/metrics.jsonl (the μ updates' mean), the
-    progress line, and every 10 steps the first completion."""
+    """Step `done`'s metrics (those of the updates: their mean over the μ iterations): one line in
+    OUTPUT_DIR/metrics.jsonl (trainer.py's fields, computed the same way), the progress line, and
+    every 10 steps the first completion."""
     run.times.append(time.time() - started)
-    m = report.step_metrics(  # the same fields, computed the same way, as trainer.py's
-        reward, per_fn, rollouts.lengths, rollouts.truncated, args.num_generations, updates,
-        run.times, args.steps - done, run.scheduler,
+    times, steps_left = run.times, args.steps - done
+    lengths, groups = rollouts.lengths.float(), reward.view(-1, args.num_generations)
+    mean = lambda key: float(np.mean([u[key] for u in updates]))  # noqa: E731
+    skips = [u["skipped"] for u in updates if u["skipped"]]  # non-finite loss or gradient
+    m = dict(
+        loss=mean("loss"), reward=reward.mean().item(), reward_std=reward.std().item(),
+        **{f"rewards/{n}": r.mean().item() for n, r in per_fn.items()},
+        **{f"rewards/{n}_std": r.std().item() for n, r in per_fn.items()},
+        **({"accuracy": per_fn["correctness"].mean().item()} if "correctness" in per_fn else {}),
+        kl=mean("kl"), clip_frac=mean("clip_frac"), entropy=mean("entropy"),
+        grad_norm=mean("grad_norm"), completion_len_mean=lengths.mean().item(),
+        completion_len_max=int(lengths.max()),
+        frac_zero_std=(groups == groups[:, :1]).all(1).float().mean().item(),
+        frac_truncated=rollouts.truncated.float().mean().item(), lr=updates[0]["lr"],
+        step_time=times[-1], tokens_per_s=lengths.sum().item() / times[-1],
+        eta_s=float(np.mean(times) * steps_left), skipped_nonfinite=len(skips),
+        **({"skip_reason": skips[0]} if skips else {}),
     )  # fmt: skip
     write_row(run, {"step": done, **m})
+    for key, value in {
+        "step": done,
+        **m,
+    }.items():  # curves.png's data (each key it draws: each step)
+        run.columns[key].append(value)
     print(
         f"step {done}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | kl "
         f"{m['kl']:.4f} | clip {m['clip_frac']:.3f} | len {m['completion_len_mean']:.0f} | "

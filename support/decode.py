@@ -76,11 +76,8 @@ def uses_lean_decode(model, settings):
     """Whether lean_decode() runs this model: sampling or greedy (beam search stays with
     generate()), whole weights (under FSDP2 generate() keeps the processes in lockstep), and a
     model transformers can run with a static cache."""
-    return (
-        settings.num_beams == 1
-        and not is_sharded(model)
-        and getattr(model, "_can_compile_fullgraph", False)
-    )
+    static = getattr(model, "_can_compile_fullgraph", False)  # transformers' static-cache models
+    return settings.num_beams == 1 and not is_sharded(model) and static
 
 
 @torch.no_grad()
@@ -120,23 +117,15 @@ def lean_decode(
     )
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate() has them
     prefill = KVCache(model.config, L, dtype)
-    keep = (
-        {"logits_to_keep": 1}
-        if "logits_to_keep" in inspect.signature(net.forward).parameters
-        else {}
-    )
-    logits = net(
-        input_ids=prompt_ids,
-        attention_mask=mask[:, :P],
-        position_ids=positions,
-        use_cache=True,
-        **{cache_keyword(net): prefill},
-        **keep,
-    ).logits[:, -1]  # [B, V]: each prompt once
+    inputs = dict(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=positions)
+    if "logits_to_keep" in inspect.signature(net.forward).parameters:
+        inputs["logits_to_keep"] = 1
+    # [B, V]: each prompt once
+    logits = net(**inputs, use_cache=True, **{cache_keyword(net): prefill}).logits[:, -1]
     group = torch.arange(B, device=device).repeat_interleave(G)  # [B*G]: each row's prompt
     group = torch.cat([group, group.new_zeros(R - n)])  # [R]: padding rows copy row 0
     cache = _grouped_cache(net, prefill, group, None if compiled is None else compiled.caches)
-    logits, mask, position = logits[group], mask[group], positions[group, -1:] + 1
+    logits, mask, pos = logits[group], mask[group], positions[group, -1:] + 1
     completions = torch.full((R, C), pad_id, dtype=torch.long, device=device)
     rows = torch.arange(R, device=device)  # the rows still in the batch
     done = torch.arange(R, device=device) >= n  # compiled: rows past their EOS (padding: all)
@@ -146,9 +135,8 @@ def lean_decode(
     for t in range(C):
         # Uniforms for every real row, used by the rows still in: compiled or not, a run draws the
         # same samples.
-        uniforms = torch.cat(
-            [torch.rand(n, 1, device=device), torch.zeros(R - n, 1, device=device)]
-        )
+        drawn_now = torch.rand(n, 1, device=device)
+        uniforms = torch.cat([drawn_now, drawn_now.new_zeros(R - n, 1)])
         token, logp, kept = sample_tokens(logits, settings, uniforms[rows], record is not None)
         forced = None
         if tools is not None:  # rows with a tool result to write take its next token instead
@@ -165,18 +153,12 @@ def lean_decode(
             done |= ended
         elif ended.any():  # they leave the batch
             stay = (~ended).nonzero().squeeze(1)
-            rows, token, mask, position, done = (
-                rows[stay],
-                token[stay],
-                mask[stay],
-                position[stay],
-                done[stay],
-            )
+            rows, token, mask, pos, done = (x[stay] for x in (rows, token, mask, pos, done))
             cache.reorder_cache(stay)
         if t == C - 1 or rows.numel() == 0 or bool(done.all()):
             break
-        logits = step(token[:, None], mask, position, cache)
-        position = position + 1
+        logits = step(token[:, None], mask, pos, cache)
+        pos = pos + 1
     if record is not None:
         record.update(drawn=drawn[:n, : t + 1], log_kept=log_kept[:n, : t + 1])
     return completions[:n, : t + 1]
@@ -296,13 +278,8 @@ def _grouped_cache(model, prefill, group, reuse):
 def _decode_step(model, token, mask, position, cache, *, key):
     """One token per row through the model against its KV cache: the next logits [n, V]. key:
     cache_keyword(model), bound once outside the compiled step."""
-    return model(
-        input_ids=token,
-        attention_mask=mask,
-        position_ids=position,
-        use_cache=True,
-        **{key: cache},
-    ).logits[:, -1]
+    inputs = dict(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True)
+    return model(**inputs, **{key: cache}).logits[:, -1]
 
 
 def cache_keyword(model):

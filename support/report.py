@@ -10,6 +10,7 @@ as large markers), the KL to the reference, the completion length, and the fract
 rewards were all equal (zero spread: no learning signal from the rewards).
 """
 
+import collections
 import json
 import os
 import sys
@@ -119,8 +120,26 @@ def open_log(output_dir, resumed_at=None, args=None):
 
 
 def curves(output_dir):
-    """Write OUTPUT_DIR/curves.png and return its path; None (and one line on stdout) without
-    matplotlib or data."""
+    """Write OUTPUT_DIR/curves.png from its metrics.jsonl and return its path; None (and one line on
+    stdout) without matplotlib or data."""
+    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
+        print(f"no plot: there is no {output_dir}/metrics.jsonl")
+        return None
+    steps, evals = read_metrics(output_dir)
+    return draw(output_dir, columns(steps), evals)
+
+
+def columns(rows):
+    """The step rows as columns: {key: [each row's value, None where it has none]}."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return collections.defaultdict(list, {k: [row.get(k) for row in rows] for k in keys})
+
+
+def draw(output_dir, steps, evals):
+    """OUTPUT_DIR/curves.png from the step metrics as columns ({key: [value per step]}, as
+    columns() makes them; every key it plots, "step", "rewards/NAME", "kl", "completion_len_mean"
+    and "frac_zero_std", in every step) and the evaluation rows ({"step": s, "eval/NAME": v});
+    returns its path, or None (and one line on stdout) without matplotlib or data."""
     try:
         import matplotlib
 
@@ -131,33 +150,18 @@ def curves(output_dir):
             f"no plot: matplotlib is not installed (pip install matplotlib, then python trainer.py --plot {output_dir})"
         )
         return None
-    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
-        print(f"no plot: there is no {output_dir}/metrics.jsonl")
-        return None
-    steps, evals = read_metrics(output_dir)
-    if not steps and not evals:
+    x = steps.get("step", [])
+    if not x and not evals:
         print(f"no plot: {output_dir}/metrics.jsonl has no steps yet")
         return None
-    x = [row["step"] for row in steps]
     names = sorted(
-        {
-            k[len("rewards/") :]
-            for row in steps + evals
-            for k in row
-            if k.startswith("rewards/") and not k.endswith("_std")
-        }
+        k[len("rewards/") :] for k in steps if k.startswith("rewards/") and not k.endswith("_std")
     )
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     ax = axes[0, 0]
     for i, name in enumerate(names):
         color = f"C{i}"
-        ax.plot(
-            x,
-            [row.get(f"rewards/{name}") for row in steps],
-            color=color,
-            lw=1,
-            label=f"{name} (train batch)",
-        )
+        ax.plot(x, steps[f"rewards/{name}"], color=color, lw=1, label=f"{name} (train batch)")
         ex = [row["step"] for row in evals if f"eval/{name}" in row]
         ax.plot(
             ex,
@@ -186,7 +190,7 @@ def curves(output_dir):
         (axes[1, 1], "frac_zero_std", "groups with zero reward spread"),
     ]
     for ax, key, title in panels:
-        ax.plot(x, [row.get(key) for row in steps], color="C3", lw=1)
+        ax.plot(x, steps.get(key, [None] * len(x)), color="C3", lw=1)
         ax.set(title=title)
         for row in evals:
             ax.axvline(row["step"], color="gray", lw=0.6, ls=":")

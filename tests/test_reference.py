@@ -30,7 +30,7 @@ from helpers import (
     without_time,
     write_rows,
 )
-from support import checkpoint, models
+from support import checkpoint, models, report
 
 # The demo, short: 3 steps of 16 prompts x G = 8 with μ = 4 and β = 0.04 (the demo's defaults), an
 # evaluation of 20 questions before and after.
@@ -46,7 +46,9 @@ def run_both(tmp_path, argv):
 
 def assert_same_numbers(reference, full):
     """Every metrics.jsonl line equal, timing aside, and the saved weights equal bit for bit."""
-    assert without_time(read_metrics(reference)) == without_time(read_metrics(full))
+    rows = [without_time(read_metrics(d)) for d in (reference, full)]
+    assert rows[0] == rows[1]
+    assert [list(row) for row in rows[0]] == [list(row) for row in rows[1]]  # the same key order
     ours, theirs = (load_file(d / "checkpoint" / "model.safetensors") for d in (reference, full))
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -239,9 +241,16 @@ def test_the_reference_reset_resumed_from_step_6_ends_bit_identical(tmp_path, mo
         train.main([*argv, "--output-dir", str(tmp_path / "resumed")])
     monkeypatch.setattr(data, "batch_at", real)
     assert checkpoint.checkpoint_step(tmp_path / "resumed" / "checkpoint") == 6
+    drawn, draw = [], report.draw
+    monkeypatch.setattr(report, "draw", lambda *a: drawn.append(a) or draw(*a))
     train.main([*argv, "--output-dir", str(tmp_path / "resumed"), "--resume"])
     straight = without_time(read_metrics(tmp_path / "straight"))
     assert without_time(read_metrics(tmp_path / "resumed")) == straight
+    # curves.png: every step's metrics, those logged before the stop (read back) and after
+    ((_, columns, evals),) = drawn
+    assert columns["step"] == list(range(1, 13)) and evals == []
+    assert columns["kl"] == [row["kl"] for row in straight]
+    assert (tmp_path / "resumed" / "curves.png").stat().st_size > 0
     assert len({row["kl"] for row in straight}) == 12  # the KL moves: β and the resets matter
     first, second = (
         load_file(d / "checkpoint" / "model.safetensors")
