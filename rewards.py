@@ -30,9 +30,11 @@ the work grows linearly with the length of the text (no catastrophic backtrackin
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
 
+import importlib
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from decimal import Decimal
 from typing import NamedTuple
@@ -400,6 +402,24 @@ def call_here(r, completions, answers, columns):
     except (TypeError, ValueError, RuntimeError):
         fine = False
     return rewards if fine else sandbox.as_rewards(r.name, values, completions)
+
+
+def imported_here(specs):
+    """train.py's --reward-fn: [Reward] of weight 1 each, from a built-in name or MODULE:FUNCTION
+    imported from the working directory (called in this process, score(..., here=True);
+    trainer.py's load_reward_fn runs them in a worker process with a time limit)."""
+    named = []
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        if spec in BUILT_IN_REWARDS:
+            named.append((spec, BUILT_IN_REWARDS[spec]))
+            continue
+        try:
+            sys.path.insert(0, os.getcwd())
+            named.append((name, getattr(importlib.import_module(module), name)))
+        except (ImportError, AttributeError, ValueError) as e:
+            raise UserError(f"--reward-fn {spec}: expected MODULE:FUNCTION importable here: {e}")
+    return weighted(named, [1.0] * len(named))
 
 
 def from_flags(args, defaults, fields=()):

@@ -17,7 +17,6 @@ tests/test_reference.py holds the two to the same numbers.
 import argparse
 import dataclasses
 import functools
-import importlib
 import json
 import math
 import os
@@ -40,7 +39,7 @@ import rewards
 import sampling
 from support import checkpoint, demo, models, report, rundir
 from support.errors import UserError
-from support.signals import STOPS, DevNullWhenReaderGone, Stopped
+from support.signals import STOPS, Stopped
 
 
 def arg(default, help):
@@ -101,10 +100,8 @@ def parse_args(argv=None):
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
         else:
             action, default = ("append", list(f.default)) if kind is tuple else ("store", f.default)
-            kind = str if kind is tuple else kind
-            parser.add_argument(
-                flag, type=kind, action=action, help=f.metadata["help"], default=default
-            )
+            kind, help = (str if kind is tuple else kind), f.metadata["help"]
+            parser.add_argument(flag, type=kind, action=action, help=help, default=default)
     parser.parse_args(argv)  # --help; a flag this file does not take: one line, exit 2
     flags = config.parse_args(argv)
     if flags.dtype == "fp16":
@@ -122,9 +119,7 @@ def setup(args, flags):
     rewards load first, so that a bad file fails in a second, not after loading a 1.7B model."""
     resume_dir = checkpoint.find_last(args.output_dir) if args.resume else None
     if args.resume and resume_dir is None:
-        raise UserError(
-            f"--resume: no checkpoint in {args.output_dir}; pass the run's --output-dir."
-        )
+        raise UserError(f"--resume: no checkpoint in {args.output_dir}; pass its --output-dir.")
     start = checkpoint.starting_weights(flags, resume_dir)  # π_θinit, or a checkpoint's weights
     set_seed(args.seed)
     fits = functools.partial(models.check_context, args.max_new_tokens, flags.max_prompt_length)
@@ -138,7 +133,8 @@ def setup(args, flags):
         rewards.check_own_task_rewards(flags, task)  # your rows, GSM8K's rewards: numbers only
         name = resume_dir if start == checkpoint.FROM_CHECKPOINT else args.model
         model, tokenizer = models.load_model(name, check_config=fits)
-    task = with_reward_fns(task, args.reward_fn)
+    if args.reward_fn:  # your functions in place of the task's (rewards.imported_here)
+        task = dataclasses.replace(task, rewards=rewards.imported_here(args.reward_fn))
     dtype = sampling.AUTOCAST_DTYPE[args.dtype]
     # 1: π_θ ← π_θinit; 3: π_ref ← π_θ (a frozen copy; LoRA: the same model, adapters off)
     peft = None
@@ -179,26 +175,6 @@ def setup(args, flags):
     )  # fmt: skip
 
 
-def with_reward_fns(task, specs):
-    """--reward-fn: the task's rewards replaced by these functions (a built-in name, or
-    MODULE:FUNCTION imported from the working directory, called in this process; trainer.py runs
-    them in a worker process with a time limit), each of weight 1."""
-    if not specs:
-        return task
-    named = []
-    for spec in specs:
-        module, _, name = spec.partition(":")
-        if spec in rewards.BUILT_IN_REWARDS:
-            named.append((spec, rewards.BUILT_IN_REWARDS[spec]))
-            continue
-        try:
-            sys.path.insert(0, os.getcwd())
-            named.append((name, getattr(importlib.import_module(module), name)))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise UserError(f"--reward-fn {spec}: expected MODULE:FUNCTION importable here: {e}")
-    return dataclasses.replace(task, rewards=rewards.weighted(named, [1.0] * len(named)))
-
-
 # --------------------------------------------------------------------------------------------------
 # Algorithm 1, iterative GRPO. The rewards are fixed functions (line 12, training the reward model,
 # has nothing to do); line 2's outer loop starts a new iteration, π_ref ← π_θ, every
@@ -207,10 +183,11 @@ def with_reward_fns(task, specs):
 
 def train(run, args):
     """Lines 4-11 for steps start..M, then the closing evaluation. Returns the evaluations."""
-    task, model, G = run.task, run.model, args.num_generations
+    task, model, tok, G = run.task, run.model, run.tokenizer, args.num_generations
     prompts_per_step = args.batch_size * args.gradient_accumulation_steps
     micro = args.micro_batch_size or args.batch_size * G  # completions per forward: whole groups
     decoding = sampling.Sampling.of(run.flags)
+    shared = not args.gradient_checkpointing  # π_ref's forward as π_θ's (sampling.py)
     evaluate_if_due(run, args, run.start)
     # 4: for step = 1, ..., M
     for step in range(run.start, args.steps):
@@ -219,11 +196,9 @@ def train(run, args):
             # 5: sample a batch D_b from D (a pure function of the seed and the step: resumable)
             rows = data.batch_at(task.train, prompts_per_step, args.seed, step)
             # 6: π_old ← π_θ: π_old is only used through its log-probs of 7's completions
-            prompts = [task.prompt(run.tokenizer, row["prompt"]) for row in rows]
+            prompts = [task.prompt(tok, row["prompt"]) for row in rows]
             # 7: sample G outputs o_i ~ π_old(· | q) for each question q
-            rollouts = sampling.sample_rollouts(
-                model, run.tokenizer, prompts, decoding, G, run.dtype
-            )
+            rollouts = sampling.sample_rollouts(model, tok, prompts, decoding, G, run.dtype)
             # 8: compute the rewards r_i of each o_i: [B*G], each function's {name: [B*G]}, and
             # a process reward's steps (§4.1.3): {name: [(end, reward), ...] for each o_i}
             steps = {}
@@ -234,19 +209,14 @@ def train(run, args):
             # for every token t. Process supervision (§4.1.3), where a reward returned steps: the
             # sum of the group-normalized rewards of o_i's steps that end at or after token t.
             if steps:
-                advantages = process_supervision.advantages(
-                    task, per_fn, steps, rollouts, run.tokenizer
-                )
+                advantages = process_supervision.advantages(task, per_fn, steps, rollouts, tok)
             else:
-                advantages = (
-                    grpo.group_advantages(reward, G).to(mask.device)[:, None].expand(mask.shape)
-                )
+                advantages = grpo.group_advantages(reward, G)[:, None]  # [N, 1], for every t:
+                advantages = advantages.to(mask.device).expand(mask.shape)  # [N, C]
             # log π_ref(o_i,t | q, o_i,<t) for the KL term [B*G, C] (β = 0: no π_ref, no KL)
             ref_logps = None
             if run.ref_model is not None:
-                ref_logps = sampling.frozen_logps(
-                    run.ref_model, rollouts, micro, run.dtype, not args.gradient_checkpointing
-                )
+                ref_logps = sampling.frozen_logps(run.ref_model, rollouts, micro, run.dtype, shared)
             old_logps, updates = None, []  # μ = 1: π_old = sg(π_θ), the ratio is exactly 1
             normalizer = float(grpo.loss_denominator(mask))  # N, the WHOLE batch's: 1/G Σ_i
             # 10: for GRPO iteration = 1, ..., μ
@@ -350,11 +320,9 @@ def log_step(run, args, done, rows, rollouts, reward, per_fn, updates, started):
         eta_s=float(np.mean(times) * steps_left), skipped_nonfinite=len(skips),
         **({"skip_reason": skips[0]} if skips else {}),
     )  # fmt: skip
-    write_row(run, {"step": done, **m})
-    for key, value in {
-        "step": done,
-        **m,
-    }.items():  # curves.png's data (each key it draws: each step)
+    row = {"step": done, **m}
+    write_row(run, row)
+    for key, value in row.items():  # curves.png's data
         run.columns[key].append(value)
     print(
         f"step {done}/{args.steps} | loss {m['loss']:+.4f} | reward {m['reward']:.3f} | kl "
@@ -437,6 +405,41 @@ def main(argv=None):
             file=sys.stderr,
         )
         raise SystemExit(2) from None
+
+
+class DevNullWhenReaderGone:
+    """stdout or stderr that outlives its reader (a dropped ssh session: EIO; `python train.py |
+    head`: EPIPE): from the first failed write on, it goes to /dev/null and training goes on,
+    recorded in metrics.jsonl and the checkpoints, where a failing print would end the run
+    unsaved. Installed by `python train.py` and `python trainer.py`, never by main()."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text):
+        try:
+            return len(text) if self.gone else self.stream.write(text)
+        except OSError:
+            return self.lost() or len(text)
+
+    def flush(self):
+        try:
+            return None if self.gone else self.stream.flush()
+        except OSError:
+            self.lost()
+
+    def lost(self):
+        """Its file descriptor to /dev/null, with the text buffered (flushed at exit: code 120)."""
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+            self.stream.flush()
+        except OSError:  # no file descriptor to point elsewhere: drop what comes
+            self.gone = True
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
 
 
 if __name__ == "__main__":

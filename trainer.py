@@ -43,8 +43,9 @@ from sampling import frozen_logps, micro_batch_inputs, micro_batches
 from support import checkpoint, decode, demo, distributed, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
-from support.signals import STOPS, DevNullWhenReaderGone
+from support.signals import STOPS
 from support.worker import Worker
+from train import DevNullWhenReaderGone
 
 # the sums policy_weights adds to grpo_loss's (grpo.STATS)
 OPTION_STATS = ("entropy_dropped", "sequences", "off_policy")

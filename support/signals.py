@@ -1,13 +1,13 @@
-"""Signals and the terminal: what a run does when it is asked to stop, or loses its reader.
+"""Signals: what a run does when it is asked to stop.
 
 StopRequests   SIGINT (Ctrl-C), SIGTERM and SIGHUP during train(): the step finishes, is saved, and
                the run exits with 128 + the signal's number (Stopped)
-DevNullWhenReaderGone  stdout and stderr that turn into /dev/null when whoever reads them is gone
-               (a dropped ssh session, `python trainer.py | head`), so training goes on
+
+(What it does when it loses its reader, a dropped ssh session or `| head`: train.py's
+DevNullWhenReaderGone.)
 """
 
 import contextlib
-import os
 import signal
 import sys
 import threading
@@ -140,44 +140,3 @@ class StopRequests:
 # The one StopRequests of the process. Global because a signal handler is: Python runs it in the
 # main thread between any two bytecodes, with no way to hand it an object the run owns.
 STOPS = StopRequests()
-
-
-class DevNullWhenReaderGone:
-    """stdout or stderr that outlives whoever reads it. When an ssh session drops, the terminal
-    hangs up: SIGHUP, then every write fails with EIO. When `python trainer.py | head` has its
-    lines, every write fails with EPIPE. A failing print would end the run with a traceback and
-    no save. Instead, from the first failed write on, the output goes to /dev/null and training
-    goes on: metrics.jsonl, the checkpoints and the exit code record it all. Installed by
-    `python trainer.py` only, never by main() called from your code."""
-
-    def __init__(self, stream):
-        self.stream, self.gone = stream, False
-
-    def write(self, text):
-        try:
-            return len(text) if self.gone else self.stream.write(text)
-        except OSError:
-            self.lost()
-            return len(text)
-
-    def flush(self):
-        try:
-            if not self.gone:
-                self.stream.flush()
-        except OSError:
-            self.lost()
-
-    def lost(self):
-        """Point the stream's file descriptor at /dev/null: its buffered text, and everything
-        after it, goes there (interpreter exit flushes it too, and would otherwise fail with exit
-        code 120)."""
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.stream.fileno())
-            os.close(devnull)
-            self.stream.flush()
-        except OSError:  # no file descriptor to point elsewhere: drop what comes
-            self.gone = True
-
-    def __getattr__(self, name):  # fileno, isatty, encoding, ...
-        return getattr(self.stream, name)
