@@ -4,6 +4,7 @@ unnoticed. Also the reference's own promises: its size, its flags, exact resume,
 """
 
 import ast
+import collections
 import dataclasses
 import os
 import re
@@ -286,3 +287,50 @@ def test_a_reset_that_cannot_be_done_is_one_paragraph_and_exit_2(extra, said, ca
         train.main([*CPU, "--demo", "--output-dir", "unused", "--ref-update-every", "4", *extra])
     assert stop.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def traced_lines(argv):
+    """{(file, line): times run} of the project's own code (not tests, not installed packages)
+    during train.main(argv), as ../shared/tools/step_lines.py counts them."""
+    hits, root = collections.Counter(), os.path.realpath(ROOT) + os.sep
+    mine = {}
+
+    def project_file(filename):
+        if filename not in mine:
+            path = os.path.realpath(filename)
+            rel = path[len(root) :] if path.startswith(root) else None
+            keep = rel is not None and rel.endswith(".py") and "site-packages" not in rel
+            keep = keep and not rel.startswith("tests" + os.sep) and not rel.startswith("test_")
+            mine[filename] = rel if keep else None
+        return mine[filename]
+
+    def local(frame, event, arg):
+        if event == "line":
+            hits[(mine[frame.f_code.co_filename], frame.f_lineno)] += 1
+        return local
+
+    def tracer(frame, event, arg):
+        return local if project_file(frame.f_code.co_filename) is not None else None
+
+    sys.settrace(tracer)
+    try:
+        train.main(argv)
+    finally:
+        sys.settrace(None)
+    return hits
+
+
+@pytest.mark.slow
+def test_one_step_of_the_reference_runs_in_6_files_and_no_more_lines_than_measured(tmp_path):
+    # The reading path of one step: the lines whose count grows with the steps (the demo, 2 steps
+    # against 3; setup and the final save cancel out). Measured here 463 on 2026-11-27
+    # (../shared/tools/step_lines.py, 2 steps against 4 with the evaluations: 465; 784 in 14 files
+    # when the reference issue was filed): any line more fails here.
+    argv = [*CPU, "--demo", "--eval-every", "-1"]
+    a, b = (traced_lines([*argv, "--steps", n, "--output-dir", str(tmp_path / n)]) for n in "23")
+    step = {key for key, n in b.items() if n > a.get(key, 0)}
+    files = collections.Counter(path for path, _ in step)
+    assert set(files) == {
+        "train.py", "grpo.py", "sampling.py", "rewards.py", "data.py", "support/decode.py"
+    }  # fmt: skip
+    assert len(step) <= 463, files
