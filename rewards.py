@@ -56,12 +56,8 @@ MAX_NUMBER_CHARS = 50
 
 def _number_text(match: re.Match) -> str | None:
     """Canonical text of a _NUMBER match: no "$" or commas, no trailing zeros after the point."""
-    sign, digits, decimals = (
-        match.group(1) or "",
-        match.group(2).replace(",", ""),
-        match.group(3) or "",
-    )
-    decimals = decimals.rstrip("0").rstrip(".")  # "18.00" -> "18", "0.50" -> "0.5"
+    sign, digits, decimals = match.group(1) or "", match.group(2), match.group(3) or ""
+    digits, decimals = digits.replace(",", ""), decimals.rstrip("0").rstrip(".")  # "18.00": "18"
     if len(digits) + len(decimals) > MAX_NUMBER_CHARS:
         return None
     return sign + digits + decimals
@@ -373,9 +369,8 @@ def declared_columns(fn, columns):
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return {}
-    first_two = [
-        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ][:2]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first_two = [n for n, p in params.items() if p.kind in positional][:2]
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
     return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
 
