@@ -377,7 +377,7 @@ def declared_columns(fn, columns):
 
 def call_here(r, completions, answers, columns):
     """How train.py calls a reward function (score(..., here=True)): in this process, on the
-    batch itself, with no time limit (Ctrl-C stops one that hangs, and the step is saved).
+    batch itself, with no time limit (a second Ctrl-C stops one that hangs, saved).
     trainer.py's sandbox.call_reward adds each function its own copies of the arguments, a time
     limit and a worker process. What it raises or returns wrong is the same error as there: a
     UserError naming the function (sandbox.as_rewards checks what is not one finite float32

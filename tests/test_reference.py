@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -28,10 +29,12 @@ from helpers import (
     tiny_llama,
     tiny_model_dir,
     tiny_rollouts,
+    wait_for,
     without_time,
     write_rows,
 )
 from support import checkpoint, models, report
+from support.signals import StopRequests
 
 # The demo, short: 3 steps of 16 prompts x G = 8 with μ = 4 and β = 0.04 (the demo's defaults), an
 # evaluation of 20 questions before and after.
@@ -334,3 +337,35 @@ def test_one_step_of_the_reference_runs_in_6_files_and_no_more_lines_than_measur
         "train.py", "grpo.py", "sampling.py", "rewards.py", "data.py", "support/decode.py"
     }  # fmt: skip
     assert len(step) <= 463, files
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_hangs_in_the_reference_stops_on_a_second_ctrl_c_saved(tmp_path):
+    # train.py calls reward functions in its own process, with no time limit (trainer.py's worker
+    # has one): the first Ctrl-C asks the step to finish, which it cannot; the second stops the
+    # run inside the call, saved, with exit code 130, and --resume redoes the step.
+    marker = tmp_path / "entered"
+    (tmp_path / "hangs.py").write_text(
+        "import time\n"
+        "def hang(completions, answers):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    time.sleep(600)\n"
+    )
+    out = tmp_path / "run"
+    argv = [*CPU, "--demo", "--steps", "3", "--eval-every", "-1", "--reward-fn", "hangs:hang"]
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), *argv, "--output-dir", str(out)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    wait_for(marker.exists, proc, "the reward function was called")
+    proc.send_signal(signal.SIGINT)
+    # the first is a request to finish the step; a second within SAME_REQUEST_S would be the same
+    # request delivered twice (torchrun forwards Ctrl-C), so the second comes after it
+    time.sleep(StopRequests.SAME_REQUEST_S + 0.5)
+    proc.send_signal(signal.SIGINT)
+    said = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 130, said
+    assert "saving a checkpoint at step 0" in said
+    assert checkpoint.checkpoint_step(out / "checkpoint") == 0
