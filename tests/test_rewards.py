@@ -762,3 +762,92 @@ def test_the_result_markers_are_the_ones_tools_forces():
     import tools
 
     assert (rewards.RESULT_OPEN, rewards.RESULT_CLOSE) == (tools.RESULT_OPEN, tools.RESULT_CLOSE)
+
+
+# --- train.py's in-process call (rewards.call_here) against trainer.py's (sandbox.call_reward)
+
+
+def _generator():
+    yield from (1.0, 0.0)
+
+
+GOOD_RETURNS = {
+    "floats": [1.0, 0.25],
+    "ints and bools": [1, False],
+    "decimals": [Decimal("0.1"), Decimal("2")],
+    "numpy float64": np.array([0.1, 1e30]),
+    "a tensor [N, 1]": torch.tensor([[0.5], [1.5]]),
+    "a bf16 tensor": torch.tensor([0.1, 0.3], dtype=torch.bfloat16),
+    "0-d tensors": [torch.tensor(0.7), torch.tensor(-2.0)],
+    "a generator": "generator",
+    "a tuple": (3.0, 4.0),
+}
+BAD_RETURNS = {
+    "a NaN": [float("nan"), 1.0],
+    "an inf": [1.0, float("inf")],
+    "beyond float32": [1e39, 0.0],
+    "too few": [1.0],
+    "a string in it": ["1.0", 2.0],
+    "None in it": [None, 1.0],
+    "a dict": {"a": 1.0, "b": 2.0},
+    "a number": 5.0,
+    "a string": "10",
+}
+
+
+@pytest.mark.parametrize("name", GOOD_RETURNS)
+def test_train_py_reads_every_good_return_value_as_trainer_py_does(name):
+    # the in-process fast path (torch.as_tensor) gives the same float32 values as the sandbox's
+    # float() of each, bit for bit: both round each value once, from a Python float, to float32
+    value = GOOD_RETURNS[name]
+
+    def fn(completions, answers):
+        return _generator() if isinstance(value, str) else value
+
+    reward = rewards.weighted([("f", fn)], [1.0])
+    here, _ = rewards.score(reward, ["a", "b"], ["1", "2"], None, True)
+    there, _ = rewards.score(reward, ["a", "b"], ["1", "2"])
+    assert here.dtype == there.dtype == torch.float32 and here.device.type == "cpu"
+    assert torch.equal(here, there), (here, there)
+
+
+@pytest.mark.parametrize("name", BAD_RETURNS)
+def test_train_py_says_what_is_wrong_with_a_return_value_as_trainer_py_does(name):
+    def fn(completions, answers):
+        return BAD_RETURNS[name]
+
+    reward = rewards.weighted([("f", fn)], [1.0])
+    said = []
+    for here in (True, False):
+        with pytest.raises(rewards.UserError) as e:
+            rewards.score(reward, ["a", "b"], ["1", "2"], None, here)
+        said.append(str(e.value))
+    assert said[0] == said[1] and "reward function 'f'" in said[0]
+
+
+def test_train_py_says_what_a_reward_function_raised_as_trainer_py_does():
+    def fn(completions, answers):
+        if "bad" in completions:
+            raise ZeroDivisionError("no")
+        return [1.0] * len(completions)
+
+    reward = rewards.weighted([("f", fn)], [1.0])
+    said = []
+    for here in (True, False):
+        with pytest.raises(rewards.UserError) as e:
+            rewards.score(reward, ["ok", "bad"], ["1", "2"], None, here)
+        said.append(str(e.value))
+    assert said[0] == said[1] and "called on completion 1 alone it raises too" in said[0]
+
+
+def test_train_py_takes_a_process_rewards_steps_as_trainer_py_does():
+    def steps(completions, answers):
+        return [[(3, 1.0), (5, 0.0)], [(2, 1.0), (4, 1.0)]]  # rectangular: a tensor would take it
+
+    reward = rewards.weighted([("s", steps)], [1.0])
+    got = []
+    for here in (True, False):
+        kept = {}
+        total, per_fn = rewards.score(reward, ["abcdef", "abcd"], ["1", "2"], kept, here)
+        got.append((total.tolist(), per_fn["s"].tolist(), [list(p) for p in kept["s"]]))
+    assert got[0] == got[1] and got[0][0] == [0.5, 1.0]
