@@ -272,9 +272,8 @@ def train(run, args):
 
 
 def optimizer_step(run, args, sums, lr):
-    """The end of line 11: clip the gradient's global norm, one AdamW step and the LR schedule. A
-    loss or gradient norm that is not finite skips the step instead (no NaN reaches the weights;
-    three in a row stop the run, saved). Returns the update's statistics, per token."""
+    """The end of line 11: clip the gradient norm, AdamW, the schedule; a non-finite loss or norm
+    skips it (no NaN in the weights; 3 in a row stop the run, saved). Its stats, per token."""
     limit = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), limit))
     skipped = None if math.isfinite(sums["loss"]) else "non-finite loss"
@@ -375,8 +374,8 @@ def save_if_due(run, args, done):
 
 
 def rng_now():
-    """torch's RNG state at a step's start (a step draws from torch's generator alone: data.batch_at
-    seeds its own), for a checkpoint saved inside the step: --resume then redoes it exactly."""
+    """torch's RNG state at a step's start (data.batch_at seeds its own), for a checkpoint saved
+    inside the step: --resume then redoes it exactly."""
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     return dict(torch=torch.get_rng_state(), **cuda)
 
