@@ -811,17 +811,20 @@ def test_train_py_reads_every_good_return_value_as_trainer_py_does(name):
     assert torch.equal(here, there), (here, there)
 
 
-@pytest.mark.parametrize("name", BAD_RETURNS)
-def test_train_py_says_what_is_wrong_with_a_return_value_as_trainer_py_does(name):
-    def fn(completions, answers):
-        return BAD_RETURNS[name]
-
-    reward = rewards.weighted([("f", fn)], [1.0])
-    said = []
+def said_in_and_out_of_process(fn, completions):
+    """The UserError's text for reward function fn, called as train.py calls it (in process) and
+    as trainer.py does (the sandbox)."""
+    reward, said = rewards.weighted([("f", fn)], [1.0]), []
     for here in (True, False):
         with pytest.raises(rewards.UserError) as e:
-            rewards.score(reward, ["a", "b"], ["1", "2"], None, here)
+            rewards.score(reward, completions, ["1", "2"], None, here)
         said.append(str(e.value))
+    return said
+
+
+@pytest.mark.parametrize("name", BAD_RETURNS)
+def test_train_py_says_what_is_wrong_with_a_return_value_as_trainer_py_does(name):
+    said = said_in_and_out_of_process(lambda completions, answers: BAD_RETURNS[name], ["a", "b"])
     assert said[0] == said[1] and "reward function 'f'" in said[0]
 
 
@@ -831,12 +834,7 @@ def test_train_py_says_what_a_reward_function_raised_as_trainer_py_does():
             raise ZeroDivisionError("no")
         return [1.0] * len(completions)
 
-    reward = rewards.weighted([("f", fn)], [1.0])
-    said = []
-    for here in (True, False):
-        with pytest.raises(rewards.UserError) as e:
-            rewards.score(reward, ["ok", "bad"], ["1", "2"], None, here)
-        said.append(str(e.value))
+    said = said_in_and_out_of_process(fn, ["ok", "bad"])
     assert said[0] == said[1] and "called on completion 1 alone it raises too" in said[0]
 
 
