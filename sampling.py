@@ -2,7 +2,8 @@
 internals.
 
 grpo.py is the math and never sees a model; this file turns a model into what the math takes:
-  sample_rollouts   Algorithm 1's line 7: B prompts -> B*G completions, as Rollouts
+  sample_groups     Algorithm 1's line 7 as train.py runs it: B prompts -> B*G completions, as
+                    Rollouts (sample_rollouts: the same, with trainer.py's tools and kept log-probs)
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with
                     grad or without
 Those two come first. The decode engine that sample_rollouts drives (static KV cache, compiled
@@ -95,6 +96,23 @@ class Rollouts:
         --mask-truncated leaves it), tool results' forced tokens not counted."""
         within = self.attention_mask[:, self.prompt_length :].sum(1)
         return within if self.forced is None else within - self.forced.sum(1)
+
+
+def sample_groups(model, tokenizer, prompts, settings, group_size, autocast_dtype=None):
+    """Algorithm 1's line 7 as train.py runs it: the prompts (strings), tokenized once, and G
+    completions of each (decode.plain_decode), as Rollouts on the model's device. The same
+    rollouts as sample_rollouts without tools and kept log-probs, bit for bit."""
+    device, eos, G = next(model.parameters()).device, eos_token_ids(model, tokenizer), group_size
+    limit, pad = prompt_limit(model, settings), tokenizer.pad_token_id
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)  # [B, P]
+    with autocast(device, autocast_dtype):
+        completions = decode.plain_decode(model, prompt_ids, prompt_mask, settings, G, eos, pad)
+    mask = grpo.completion_mask(completions, eos)  # [B*G, C]: up to and including the EOS
+    sequences = torch.cat([prompt_ids.repeat_interleave(G, 0), completions], 1)  # [B*G, P + C]
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), mask], 1)  # [B*G, P + C]
+    truncated = ~torch.isin(completions, torch.tensor(eos, device=device)).any(1)  # no EOS
+    texts = completion_texts(tokenizer, completions, mask)
+    return Rollouts(sequences, attention_mask, mask, texts, G, settings.temperature, truncated)
 
 
 def sample_rollouts(

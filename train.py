@@ -198,7 +198,7 @@ def train(run, args):
             # 6: π_old ← π_θ: π_old is only used through its log-probs of 7's completions
             prompts = [task.prompt(tok, row["prompt"]) for row in rows]
             # 7: sample G outputs o_i ~ π_old(· | q) for each question q
-            rollouts = sampling.sample_rollouts(model, tok, prompts, decoding, G, run.dtype)
+            rollouts = sampling.sample_groups(model, tok, prompts, decoding, G, run.dtype)
             # 8: compute the rewards r_i of each o_i: [B*G], each function's {name: [B*G]}, and
             # a process reward's steps (§4.1.3): {name: [(end, reward), ...] for each o_i}
             steps = {}

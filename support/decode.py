@@ -4,6 +4,8 @@ lean_decode  a short loop over the model's forward: a static KV cache written in
              each prompt prefilled once and its cache copied to its G rows, tokens drawn among the
              top-k / top-p survivors by one uniform per row, finished rows leaving the batch
 generate     lean_decode() where it can run, else transformers' generate() (beam search, FSDP2)
+plain_decode lean_decode without the trainer's options (tools, kept log-probs, --compile): what
+             train.py runs, the same tokens
 --compile    the decode step compiled for a few planned shapes (plan_decode), reading a twin of the
              model whose Linear weights are already in the compute dtype (decode_twin)
 """
@@ -20,6 +22,50 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+@torch.no_grad()
+def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id):
+    """G completions of each prompt as train.py draws them: [B*G, C] token ids, pad after EOS, C
+    the longest. lean_decode() without the trainer's options (no tools, no kept log-probs, not
+    compiled), spelled out: the same tokens from the same random numbers, bit for bit
+    (tests/test_sampling.py). Each prompt is prefilled once into a preallocated KV cache, copied
+    to its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p),
+    and a row that wrote EOS leaves the batch."""
+    if not uses_lean_decode(model, settings):  # no static cache for this model: generate()
+        return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
+    (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
+    n, key, was_training = B * G, cache_keyword(model), model.training
+    model.eval()
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, C)], dim=1)  # causal: 1 from the start
+    pos = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate() has them
+    cache = KVCache(model.config, P + C, compute_dtype(device))
+    inputs = dict(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=pos)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = 1  # [B, 1, V], not [B, P, V]
+    logits = model(**inputs, use_cache=True, **{key: cache}).logits[:, -1]  # [B, V]
+    group = torch.arange(B, device=device).repeat_interleave(G)  # [B*G]: each row's prompt
+    cache.reorder_cache(group)  # each prompt's cache copied to its G rows
+    logits, mask, pos = logits[group], mask[group], pos[group, -1:] + 1
+    completions = torch.full((n, C), pad_id, dtype=torch.long, device=device)
+    rows = torch.arange(n, device=device)  # the rows still in the batch
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    for t in range(C):
+        uniforms = torch.rand(n, 1, device=device)  # one per row, used by the rows still in
+        token = sample_tokens(logits, settings, uniforms[rows])[0]  # [rows]
+        completions[rows, t] = token
+        ended = torch.isin(token, eos)
+        if ended.any():  # they leave the batch, and their cache rows with them
+            stay = (~ended).nonzero().squeeze(1)
+            rows, token, mask, pos = (x[stay] for x in (rows, token, mask, pos))
+            cache.reorder_cache(stay)
+        if t == C - 1 or rows.numel() == 0:
+            break
+        inputs = dict(input_ids=token[:, None], attention_mask=mask, position_ids=pos)
+        logits = model(**inputs, use_cache=True, **{key: cache}).logits[:, -1]  # [rows, V]
+        pos = pos + 1
+    model.train(was_training)
+    return completions[:, : t + 1]
 
 
 def generate(

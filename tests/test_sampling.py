@@ -265,6 +265,60 @@ def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefil
     assert len({tuple(row) for row in ours.tolist()}) > 1  # not a degenerate all-equal output
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (12, 0.9)], ids=["full", "top-k-top-p"])
+def test_train_pys_plain_decode_draws_the_lean_decodes_tokens_bit_for_bit(amp, top_k, top_p):
+    # decode.plain_decode is lean_decode without the trainer's options, written out for reading:
+    # from the same random numbers the same tokens, in the precision runs use, with left-padded
+    # prompts of different lengths and rows leaving the batch at EOS at different steps.
+    model = small_llama()
+    # EOS's logit raised by 1.5 (e^1.5: 4.5 times as likely): rows end early, at different steps
+    model.lm_head.register_forward_hook(lambda m, i, out: [out[..., demo.EOS].add_(1.5)] and None)
+    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)
+    settings = sampling.Sampling(temperature=0.9, top_k=top_k, top_p=top_p, max_new_tokens=16)
+    outs = []
+    for engine in (decode.lean_decode, decode.plain_decode):
+        torch.manual_seed(3)
+        with sampling.autocast("cpu", amp):
+            outs.append(engine(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+        outs.append(torch.rand(1))  # the RNG left where lean_decode leaves it
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    lengths = grpo.completion_mask(outs[0], [demo.EOS]).sum(1)
+    assert len(lengths) == 12 and len(set(lengths.tolist())) >= 4  # rows ended apart
+    assert (lengths < 16).sum() >= 6  # and most of them early: the leave-the-batch path ran
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_train_pys_sample_groups_gives_the_trainers_rollouts_bit_for_bit(amp):
+    import dataclasses
+
+    model, tokenizer = demo.model_and_tokenizer(seed=0)
+    prompts = ["1 + 2 =", "7 + 8 =", "4 + 4 ="]
+    settings = sampling.Sampling(temperature=1.0, max_new_tokens=10)
+    got, training = [], model.training
+    for sample in (sampling.sample_rollouts, sampling.sample_groups):
+        torch.manual_seed(5)
+        got.append(sample(model, tokenizer, prompts, settings, 4, amp))
+    for field in dataclasses.fields(sampling.Rollouts):
+        ours, theirs = getattr(got[1], field.name), getattr(got[0], field.name)
+        same = torch.equal(ours, theirs) if isinstance(ours, torch.Tensor) else ours == theirs
+        assert same, field.name
+    assert got[1].truncated.any() and not got[1].truncated.all()  # both kinds of rows
+    assert model.training == training  # as it came
+
+
+def test_plain_decode_hands_a_model_without_a_static_cache_to_generate(monkeypatch):
+    model = small_llama()
+    ids, mask = left_padded_prompts([5, 2], 97)
+    settings = sampling.Sampling(temperature=1.0, top_k=1, max_new_tokens=6)  # greedy
+    lean = decode.plain_decode(model, ids, mask, settings, 2, [demo.EOS], demo.PAD)
+    monkeypatch.setattr(decode, "uses_lean_decode", lambda model, settings: False)
+    calls, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw) or real(**kw))
+    assert torch.equal(decode.plain_decode(model, ids, mask, settings, 2, [demo.EOS], 0), lean)
+    assert len(calls) == 1
+
+
 def test_finished_rows_leave_the_batch_and_forced_lengths_end_where_they_say():
     from scripts import bench
 
