@@ -66,8 +66,10 @@ def assert_same_numbers(reference, full):
         ["--num-iterations", "2", "--beta", "0.1", "--micro-batch-size", "32"],
         ["--lora-rank", "8"],
         ["--ref-update-every", "2", "--beta", "0.2"],  # π_ref reset after steps 2 (and 4, ...)
+        # the headline run's precision, and the model in training mode (no cache) when it samples
+        ["--dtype", "bf16", "--gradient-checkpointing"],
     ],
-    ids=["demo", "mu2-beta-micro-batches", "lora", "ref-reset"],
+    ids=["demo", "mu2-beta-micro-batches", "lora", "ref-reset", "bf16-checkpointing"],
 )
 def test_the_reference_and_the_trainer_agree_on_the_demo(tmp_path, extra):
     if "--lora-rank" in extra:
