@@ -6,8 +6,8 @@ grpo.py is the math and never sees a model; this file turns a model into what th
                     Rollouts (sample_rollouts: the same, with trainer.py's tools and kept log-probs)
   token_logprobs    log π(o_t | q, o_<t) of given completions, at the sampling temperature, with
                     grad or without
-Those two come first. The decode engine that sample_rollouts drives (static KV cache, compiled
-step, sampling among the top-k / top-p survivors) is support/decode.py.
+Those come first. The decode engine they drive (static KV cache, compiled step, sampling among the
+top-k / top-p survivors) is support/decode.py.
 """
 
 import contextlib

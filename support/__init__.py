@@ -6,7 +6,8 @@ every option, sampling.py generation and log-probs, evaluation.py, rewards.py, d
 Here is what a real run needs around them, one job a file:
   signals.py         Ctrl-C, SIGTERM, SIGHUP: finish the step, save, exit; a terminal that is gone
   models.py          loading a model by name or directory, LoRA adapters (peft)
-  decode.py          the decode engine behind sampling.sample_rollouts (static KV cache, compiled)
+  decode.py          the decode engine behind sampling.sample_groups and sample_rollouts (static KV
+                     cache, compiled)
   checkpoint.py      saving, finding and restoring checkpoints (exact resume)
   rundir.py          the output directory: one run in it, the lock, --overwrite
   report.py          the progress line, metrics.jsonl, the closing table, curves.png

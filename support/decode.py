@@ -1,4 +1,5 @@
-"""The decode engine behind sampling.sample_rollouts: G completions of each prompt, fast.
+"""The decode engine behind sampling.sample_groups (plain_decode) and sampling.sample_rollouts
+(lean_decode): G completions of each prompt, fast.
 
 lean_decode  a short loop over the model's forward: a static KV cache written in place (KVCache),
              each prompt prefilled once and its cache copied to its G rows, tokens drawn among the

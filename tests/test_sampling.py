@@ -265,23 +265,32 @@ def test_decode_gives_transformers_greedy_sequences_with_left_padding_and_prefil
     assert len({tuple(row) for row in ours.tolist()}) > 1  # not a degenerate all-equal output
 
 
-@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+@pytest.mark.parametrize(
+    "device,amp",
+    [("cpu", None), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=CUDA)],
+    ids=["fp32", "bf16-autocast", "cuda-bf16-autocast"],
+)
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (12, 0.9)], ids=["full", "top-k-top-p"])
-def test_train_pys_plain_decode_draws_the_lean_decodes_tokens_bit_for_bit(amp, top_k, top_p):
+def test_train_pys_plain_decode_draws_the_lean_decodes_tokens_bit_for_bit(
+    device, amp, top_k, top_p
+):
     # decode.plain_decode is lean_decode without the trainer's options, written out for reading:
     # from the same random numbers the same tokens, in the precision runs use, with left-padded
     # prompts of different lengths and rows leaving the batch at EOS at different steps.
-    model = small_llama()
+    model = small_llama().to(device)
     # EOS's logit raised by 1.5 (e^1.5: 4.5 times as likely): rows end early, at different steps
     model.lm_head.register_forward_hook(lambda m, i, out: [out[..., demo.EOS].add_(1.5)] and None)
-    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)
+    ids, mask = (x.to(device) for x in left_padded_prompts([5, 1, 8, 3], 97))
     settings = sampling.Sampling(temperature=0.9, top_k=top_k, top_p=top_p, max_new_tokens=16)
     outs = []
     for engine in (decode.lean_decode, decode.plain_decode):
         torch.manual_seed(3)
-        with sampling.autocast("cpu", amp):
+        with sampling.autocast(device, amp):
             outs.append(engine(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
-        outs.append(torch.rand(1))  # the RNG left where lean_decode leaves it
+        outs.append(torch.rand(1, device=device))  # the RNG left where lean_decode leaves it
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
     lengths = grpo.completion_mask(outs[0], [demo.EOS]).sum(1)
     assert len(lengths) == 12 and len(set(lengths.tolist())) >= 4  # rows ended apart
@@ -293,9 +302,16 @@ def test_train_pys_sample_groups_gives_the_trainers_rollouts_bit_for_bit(amp):
     import dataclasses
 
     model, tokenizer = demo.model_and_tokenizer(seed=0)
-    prompts = ["1 + 2 =", "7 + 8 =", "4 + 4 ="]
+    # train.py samples with its model in training mode (under gradient checkpointing too, where a
+    # forward in training mode runs without a cache): the decode must take it to eval, with no
+    # autograd graph, and give it back as it came
+    sampling.enable_gradient_checkpointing(model)
+    model.train()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append((torch.is_grad_enabled(), m.training)))
+    prompts = ["1 + 2 =", "7 =", "4 + 4 + 1 ="]  # different lengths: left padding
     settings = sampling.Sampling(temperature=1.0, max_new_tokens=10)
-    got, training = [], model.training
+    got = []
     for sample in (sampling.sample_rollouts, sampling.sample_groups):
         torch.manual_seed(5)
         got.append(sample(model, tokenizer, prompts, settings, 4, amp))
@@ -303,8 +319,11 @@ def test_train_pys_sample_groups_gives_the_trainers_rollouts_bit_for_bit(amp):
         ours, theirs = getattr(got[1], field.name), getattr(got[0], field.name)
         same = torch.equal(ours, theirs) if isinstance(ours, torch.Tensor) else ours == theirs
         assert same, field.name
+    P = got[1].prompt_length
+    assert not got[1].attention_mask[:, :P].all()  # the padding reached the rollouts' mask
     assert got[1].truncated.any() and not got[1].truncated.all()  # both kinds of rows
-    assert model.training == training  # as it came
+    assert seen and set(seen) == {(False, False)}  # no graph, eval mode, at every forward
+    assert model.training  # as it came
 
 
 def test_plain_decode_hands_a_model_without_a_static_cache_to_generate(monkeypatch):
