@@ -30,11 +30,9 @@ the work grows linearly with the length of the text (no catastrophic backtrackin
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
 
-import importlib
 import inspect
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable
 from decimal import Decimal
 from typing import NamedTuple
@@ -403,17 +401,12 @@ def imported_here(specs):
     """train.py's --reward-fn: [Reward] of weight 1 each, from a built-in name or MODULE:FUNCTION
     imported from the working directory (called in this process, score(..., here=True);
     trainer.py's load_reward_fn runs them in a worker process with a time limit)."""
-    named = []
-    for spec in specs:
-        module, _, name = spec.partition(":")
-        if spec in BUILT_IN_REWARDS:
-            named.append((spec, BUILT_IN_REWARDS[spec]))
-            continue
-        try:
-            sys.path.insert(0, os.getcwd())
-            named.append((name, getattr(importlib.import_module(module), name)))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise UserError(f"--reward-fn {spec}: expected MODULE:FUNCTION importable here: {e}")
+    named = [
+        (spec, BUILT_IN_REWARDS[spec])
+        if spec in BUILT_IN_REWARDS
+        else (spec.partition(":")[2], sandbox.import_function(spec, "--reward-fn", os.getcwd()))
+        for spec in specs
+    ]
     return weighted(named, [1.0] * len(named))
 
 
