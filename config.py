@@ -307,8 +307,18 @@ def build_parser():
         "under torchrun: shard parameters, gradients and AdamW state over the processes (FSDP2, "
         "one unit per decoder layer) instead of replicating them (DDP)"
     )
-    switch(g, "--gradient-checkpointing")(
-        "recompute activations in backward: less memory, ~30%% more time"
+    g.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute activations in backward: less memory, ~30%% more time. Not given: on CUDA "
+        "the run's memory plan turns it on where the card needs it (docs/gpu.md), off on the CPU",
+    )
+    flag(g, "--decode", "auto", choices=["auto", "graphs", "eager"])(
+        "the decode step of the rollouts and evaluations: graphs, captured once per generate call "
+        "as a CUDA graph and replayed for every token (no compiler); eager, one kernel launch per "
+        "op. auto: graphs on CUDA (eager with --compile, whose decode is compiled, and where "
+        "transformers' generate() decodes: --fsdp, --num-beams), eager on the CPU"
     )
     flag(g, "--compile", None, nargs="?", const="inductor", metavar="BACKEND")(
         "torch.compile the decode step (fixed shapes, static KV cache; CUDA graphs on a GPU) and "
@@ -517,6 +527,9 @@ def parse_args(argv=None):
         )
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    resolve_decode(args)
+    if args.gradient_checkpointing is None and args.device != "cuda":
+        args.gradient_checkpointing = False  # on CUDA the memory plan decides (support/memory.py)
     if args.output_dir is None:  # a new directory for each run; --resume: the last one like it
         args.output_dir = rundir.last_run_like(args) if args.resume else rundir.new_run_dir(args)
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
@@ -525,6 +538,25 @@ def parse_args(argv=None):
             "created if missing) for metrics.jsonl and checkpoint/."
         )
     return args
+
+
+def resolve_decode(args):
+    """--decode auto -> graphs on CUDA where the lean decode runs, else eager; graphs asked for
+    where it cannot run: a UserError."""
+    generate_decodes = args.fsdp or args.num_beams > 1  # transformers' generate(), not our loop
+    if args.decode == "auto":
+        cuda = args.device == "cuda"
+        args.decode = "graphs" if cuda and not (args.compile or generate_decodes) else "eager"
+    elif args.decode == "graphs" and (args.device != "cuda" or args.compile or generate_decodes):
+        why = (
+            "needs a CUDA device"
+            if args.device != "cuda"
+            else "does not combine with --compile (its decode is compiled)"
+            if args.compile
+            else f"has no decode loop to capture with {'--fsdp' if args.fsdp else '--num-beams'} "
+            "(transformers' generate() decodes)"
+        )
+        raise UserError(f"--decode graphs {why}; drop it (auto picks what runs).")
 
 
 def preset_line(args):

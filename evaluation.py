@@ -33,6 +33,7 @@ class EvalSettings:
                 args.top_p,
                 args.max_new_tokens,
                 args.max_prompt_length,
+                graphs=args.decode == "graphs",
             ),
             args.eval_samples,
             args.eval_limit,

@@ -42,6 +42,9 @@ class Sampling:
     # the decode keeps each sampled token's log-probs (Rollouts.sampler_logps): for
     # --sampler-correction and --log-mismatch; off, nothing is computed
     keep_logps: bool = False
+    # --decode graphs (the default on CUDA): the decode step replayed as a CUDA graph
+    # (decode.GraphStep); the same tokens, without a kernel launch per op
+    graphs: bool = False
 
     @classmethod
     def of(cls, args):
@@ -54,6 +57,7 @@ class Sampling:
             args.max_prompt_length,
             args.num_beams,
             args.sampler_correction is not None or args.log_mismatch,
+            args.decode == "graphs",
         )
 
 

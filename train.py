@@ -37,7 +37,7 @@ import grpo
 import process_supervision
 import rewards
 import sampling
-from support import checkpoint, demo, models, report, rundir
+from support import checkpoint, demo, memory, models, report, rundir
 from support.errors import UserError
 from support.signals import STOPS, Stopped
 
@@ -74,7 +74,10 @@ class Args:
     lora_rank: int = arg(0, "train LoRA adapters of this rank (π_ref: adapters off); 0: all")
     device: str = arg("auto", "auto | cpu | cuda")
     dtype: str = arg("auto", "autocast dtype, weights stay fp32: auto (bf16 on CUDA) | bf16 | fp32")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory")
+    gradient_checkpointing: bool = arg(
+        None, "recompute activations: less memory; auto: CUDA's plan"
+    )
+    decode: str = arg("auto", "auto (CUDA graphs on CUDA) | graphs | eager: how the decode runs")
     eval_every: int = arg(0, "evaluate every N steps; 0: before and after training; -1: never")
     eval_limit: int = arg(None, "evaluate on the first N held-out questions only")
     eval_samples: int = arg(8, "completions per held-out question (pass@k, maj@k)")
@@ -97,7 +100,8 @@ def parse_args(argv=None):
     for f in dataclasses.fields(Args):
         flag, kind = "--" + f.name.replace("_", "-"), (typing.get_args(f.type) or (f.type,))[0]
         if kind is bool:
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            on = "store_true" if f.default is False else argparse.BooleanOptionalAction  # --no-X
+            parser.add_argument(flag, action=on, help=f.metadata["help"], default=f.default)
         else:
             action, default = ("append", list(f.default)) if kind is tuple else ("store", f.default)
             kind, help = (str if kind is tuple else kind), f.metadata["help"]
@@ -149,7 +153,7 @@ def setup(args, flags):
         model = checkpoint.load_policy(resume_dir, model, flags)
     models.disable_dropout(model)  # μ > 1: π_old and π_θ must be the same function
     model.to(args.device)
-    if args.gradient_checkpointing:
+    if memory.checkpointing(args, flags, model, task, tokenizer):  # as given, or CUDA's plan
         sampling.enable_gradient_checkpointing(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone

@@ -40,7 +40,7 @@ import rewards
 import sampling
 import tools
 from sampling import frozen_logps, micro_batch_inputs, micro_batches
-from support import checkpoint, decode, demo, distributed, models, report, rundir
+from support import checkpoint, decode, demo, distributed, memory, models, report, rundir
 from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
 from support.phases import NO_PHASES
 from support.signals import STOPS
@@ -301,7 +301,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     if not args.dropout:  # the same network for π_old and π_θ (π_ref runs in eval mode)
         models.disable_dropout(model)
     model.to(args.device)
-    if args.gradient_checkpointing:
+    if memory.checkpointing(args, args, model, task, tokenizer):  # as given, or CUDA's plan
         sampling.enable_gradient_checkpointing(model)
     if args.compile:  # the decode step and the log-prob forwards of π_θ (and π_ref's)
         for m in {id(m): m for m in (model, ref_model) if m is not None}.values():

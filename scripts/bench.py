@@ -365,14 +365,16 @@ class DecodeLengths:
         logits = output.logits[:, -1]  # [rows, V]
         if not self.prefilled:
             end = self.prefill(logits, kwargs)
-        elif self.padded:
-            # compiled: the token these logits draw, from the cache's length (prompt + tokens fed)
+        elif self.padded or len(logits) == self.n:
+            # every row still in (compiled, CUDA graphs: always): the token these logits draw, from
+            # the cache's length (prompt + tokens fed), on the device, so a captured graph replays it
+            self.t += 1
             k = kwargs[self.cache_key].get_seq_length() - self.prompt_width
             lengths = torch.cat([self.on_device, self.on_device.new_zeros(len(logits) - self.n)])
             end = lengths == k + 1
         else:
             end = self.eager_end(len(logits))
-        logits[:, self.eos] = float("-inf")
+        logits.index_fill_(1, self.eos_index, float("-inf"))  # no host-to-device copy: graphs
         if end is not None:  # EOS far above the row's largest logit: drawn whatever the sampling
             boost = torch.where(end, logits.amax(-1) + 1e4, float("-inf"))
             logits[:, self.eos[0]] = boost
@@ -392,10 +394,10 @@ class DecodeLengths:
             )
         self.n, self.prefilled = len(L), True
         device = logits.device
-        if self.padded:
-            self.on_device = L.to(device)
-            self.prompt_width = torch.full((), kwargs["input_ids"].shape[1], device=device)
-        else:  # eager: forward t holds the rows with lengths > t; those at t + 1 end here
+        self.eos_index = torch.tensor(self.eos, device=device)
+        self.on_device = L.to(device)
+        self.prompt_width = torch.full((), kwargs["input_ids"].shape[1], device=device)
+        if not self.padded:  # eager: forward t holds the rows with lengths > t; those at t + 1 end
             width = int(L.max())
             ends = torch.zeros(width, len(L), dtype=torch.bool)
             self.rows = []
@@ -508,6 +510,7 @@ def loop_flags(a, output_dir):
         *("--loss-type", "grpo", "--scale-rewards", "group", "--lr", a.lr),
         *("--lr-scheduler", "constant", "--warmup-steps", 0, "--weight-decay", 0.0),
         *("--max-grad-norm", 1.0, "--dtype", a.dtype, "--device", DEVICE),
+        "--no-gradient-checkpointing",  # as TRL's side runs (its default): the same work
         *(["--compile", a.compile] if a.compile else []),
         *("--eval-every", -1, "--sample-every", 0, "--save-every", 0, "--output-dir", output_dir),
     ]

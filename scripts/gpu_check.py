@@ -385,12 +385,13 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
     eos, amp = sampling.eos_token_ids(model, tokenizer), trainer.Settings.of(args).autocast_dtype
 
-    def generate():  # as sample_rollouts runs it: under the run's autocast
+    def generate(graphs=False):  # as sample_rollouts runs it: under the run's autocast
         with (
             sampling.autocast(ids.device, amp),
             bench.forced_lengths_in_decode(model, lengths, eos),
         ):
-            return decode.generate(model, ids, mask, settings, G, eos, tokenizer.pad_token_id)
+            how = dataclasses.replace(settings, graphs=graphs)
+            return decode.generate(model, ids, mask, how, G, eos, tokenizer.pad_token_id)
 
     result = dict(
         rows=opts.rows,
@@ -407,6 +408,14 @@ def decode_check(model, tokenizer, task, args, opts, meter):
         f"decode wrote {tuple(out.shape)}, not {opts.rows} x {max_new}"
     )
     result["eager_ms_per_token"] = 1000 * seconds / max_new
+    if ids.is_cuda:  # --decode graphs, the default on CUDA: captured at every call
+        first, out, _ = measure(lambda: generate(graphs=True), meter)
+        seconds, again, result["graphs_peak_bytes"] = measure(lambda: generate(graphs=True), meter)
+        result["graphs_first_call_seconds"] = first
+        result["graphs_ms_per_token"] = 1000 * seconds / max_new
+        result["graphs_capture_seconds"] = capture_seconds(model, ids, mask, settings, G, eos, amp)
+        greedy = dataclasses.replace(settings, temperature=0.0)
+        result["graphs_greedy"] = greedy_agreement(model, ids, mask, greedy, G, eos, tokenizer, amp)
     if not opts.skip_compile:
         sampling.compile_model(model, opts.compile_backend)
         decode.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
@@ -417,6 +426,55 @@ def decode_check(model, tokenizer, task, args, opts, meter):
             opts.compile_backend,
         )
     return result
+
+
+def capture_seconds(model, ids, mask, settings, G, eos, amp):
+    """Seconds a decode call spends capturing its graph: a 2-token call with graphs (prefill, the
+    eager first step, the capture, one replay) less the same call eager (prefill, two steps)."""
+    short = dataclasses.replace(settings, max_new_tokens=3)
+    pad = eos[0]
+    times = {}
+    for graphs in (False, True, False, True):
+        how = dataclasses.replace(short, graphs=graphs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with sampling.autocast(ids.device, amp):
+            decode.generate(model, ids, mask, how, G, [-1], pad)
+        torch.cuda.synchronize()
+        times[graphs] = time.perf_counter() - t0  # the second of each: warm
+    return times[True] - times[False]
+
+
+def greedy_agreement(model, ids, mask, greedy, G, eos, tokenizer, amp):
+    """The CUDA-graph decode against the eager one, greedy (temperature 0), EOS never drawn: how
+    many leading tokens every row shares, of how many, and the largest logit difference of the
+    first 16 steps, read by a forward hook on the graphs' twin and the eager model alike."""
+    seen = {}
+
+    def run(graphs):
+        logits = []
+
+        def hook(module, args, kwargs, output):
+            if len(logits) < 16:
+                logits.append(output.logits[:, -1].float().clone())
+
+        handle = model.register_forward_hook(hook, with_kwargs=True)
+        try:
+            how = dataclasses.replace(greedy, graphs=graphs)
+            with sampling.autocast(ids.device, amp):
+                out = decode.generate(model, ids, mask, how, G, [-1], tokenizer.pad_token_id)
+        finally:
+            handle.remove()
+        return out, logits
+
+    (eager, eager_logits), (graphs, graph_logits) = run(False), run(True)
+    same = (eager == graphs).all(0)
+    agree = int(same.long().cumprod(0).sum())
+    # the graph replays no Python: its hook saw the warm-up step and the capture only
+    n = min(len(eager_logits), len(graph_logits), 2)
+    diff = max(float((a - b).abs().max()) for a, b in zip(eager_logits[:n], graph_logits[:n]))
+    seen.update(tokens_equal=agree, of=int(eager.shape[1]), max_logit_diff_first_steps=diff)
+    return seen
 
 
 def copy_bandwidth(device, nbytes, repeats=5):
@@ -465,7 +523,7 @@ def decode_floor(model, timing, amp, bandwidth):
     floor = 1000 * (weights + kv) / bandwidth
     ratios = {
         f"{k}_over_floor": timing[f"{k}_ms_per_token"] / floor
-        for k in ("eager", "compiled")
+        for k in ("eager", "graphs", "compiled")
         if f"{k}_ms_per_token" in timing
     }
     return dict(
@@ -622,6 +680,14 @@ def print_decode(report):
     print(
         f"  eager     {d['eager_ms_per_token']:8.2f} ms/token  {f['eager_over_floor']:6.1f}x the floor"
     )
+    if "graphs_ms_per_token" in d:
+        g = d["graphs_greedy"]
+        print(
+            f"  graphs    {d['graphs_ms_per_token']:8.2f} ms/token  {f['graphs_over_floor']:6.1f}x the floor "
+            f"(capture {d['graphs_capture_seconds']:.2f} s per call; first call {d['graphs_first_call_seconds']:.2f} s; "
+            f"greedy: {g['tokens_equal']} of {g['of']} tokens equal to eager's, logits within "
+            f"{g['max_logit_diff_first_steps']:.3g})"
+        )
     if "compiled_ms_per_token" in d:
         print(
             f"  compiled  {d['compiled_ms_per_token']:8.2f} ms/token  {f['compiled_over_floor']:6.1f}x the floor "
@@ -655,7 +721,17 @@ def print_report(report):
         f"{report['vocab_size']} | {report['device']}, {report['dtype']}"
     )
     print(f"trainer.py {shlex.join(report['train_flags'])}")
+    print(
+        f"decode: {report['decode_mode']}; gradient checkpointing: {report['gradient_checkpointing']}"
+        + (f"; capped at a {report['card_gb']} GB card" if report.get("card_gb") else "")
+    )
     print_run(report)
+    gen = report["phases"]["generate"]["per_step"][1:]
+    new = report["new_tokens"]
+    print(
+        "  training decode ms/token (generate's seconds / new tokens, prefill included): "
+        + " ".join(f"{1000 * s / new:.2f}" for s in gen)
+    )
     print_decode(report)
     print(f"===== {'OK' if report['ok'] else 'FAILED'}")
 
@@ -708,6 +784,13 @@ def parse(argv):
     )
     p.add_argument("--skip-compile", action="store_true", help="decode timing: eager only")
     p.add_argument("--skip-decode", action="store_true", help="no decode timing: the run alone")
+    p.add_argument(
+        "--card-gb",
+        type=int,
+        choices=[40, 80],
+        help="CUDA: cap this process at a 40 or 80 GB card's memory "
+        "(torch.cuda.set_per_process_memory_fraction) before the run",
+    )
     p.add_argument("--out", help="also write the report as JSON to this file")
     return p.parse_args(own), rest
 
@@ -722,6 +805,10 @@ def check(opts, train_argv, command):
         opts.compile_backend = opts.compile_backend or (
             "inductor" if device.type == "cuda" else "aot_eager"
         )
+        if opts.card_gb and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            card = CARDS[f"{opts.card_gb} GB"]
+            torch.cuda.set_per_process_memory_fraction(min(1.0, card / total), device)
         bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2**20)
         meter = Meter(device)
         baseline = meter.in_use()  # before the model: what the phases' peaks are measured above
@@ -738,7 +825,11 @@ def check(opts, train_argv, command):
         device=args.device,
         dtype=args.dtype,
         train_flags=flags,
+        new_tokens=args.max_new_tokens,
         run=run,
+        card_gb=opts.card_gb,
+        decode_mode=args.decode,
+        gradient_checkpointing=args.gradient_checkpointing,
         phases=timer.summary(args.steps),
         memory=memory_verdict(meter),
     )

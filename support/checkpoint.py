@@ -240,6 +240,8 @@ MAY_CHANGE_ON_RESUME = {
     "model",
     "data",
     "device",
+    "decode",  # how the decode runs (CUDA graphs or eager): the same tokens
+    "gradient_checkpointing",  # memory, not the numbers
 }
 
 

@@ -7,6 +7,8 @@ lean_decode  a short loop over the model's forward: a static KV cache written in
 generate     lean_decode() where it can run, else transformers' generate() (beam search, FSDP2)
 plain_decode lean_decode without the trainer's options (tools, kept log-probs, --compile): what
              train.py runs, the same tokens
+graphs       the decode step captured as a CUDA graph, replayed for every token (GraphStep): the
+             default on CUDA, with no compiler
 --compile    the decode step compiled for a few planned shapes (plan_decode), reading a twin of the
              model whose Linear weights are already in the compute dtype (decode_twin)
 """
@@ -30,10 +32,12 @@ def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, 
     """G completions of each prompt as train.py draws them: [B*G, C] token ids, pad after EOS, C
     the longest. lean_decode() without the trainer's options (no tools, no kept log-probs, not
     compiled), spelled out: the same tokens from the same random numbers, bit for bit
-    (tests/test_sampling.py). Each prompt is prefilled once into a preallocated KV cache, copied
+    (tests/test_sampling.py). A model without a static cache goes to generate(), and so does the
+    CUDA-graph decode (--decode graphs, CUDA's default: lean_decode's GraphStep). Each prompt is
+    prefilled once into a preallocated KV cache, copied
     to its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p),
     and a row that wrote EOS leaves the batch."""
-    if not uses_lean_decode(model, settings):  # no static cache for this model: generate()
+    if not uses_lean_decode(model, settings) or uses_graphs(settings, prompt_ids.device):
         return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, key, was_training = B * G, cache_keyword(model), model.training
@@ -119,6 +123,12 @@ def generate(
     return out
 
 
+def uses_graphs(settings, device):
+    """Whether lean_decode() replays its step as a CUDA graph (GraphStep): --decode graphs, the
+    default on CUDA (config.py), and a CUDA device."""
+    return settings.graphs and torch.device(device).type == "cuda"
+
+
 def uses_lean_decode(model, settings):
     """Whether lean_decode() runs this model: sampling or greedy (beam search stays with
     generate()), whole weights (under FSDP2 generate() keeps the processes in lockstep), and a
@@ -140,7 +150,8 @@ def lean_decode(
       - a row leaves the batch (its cache rows are dropped) once it has written EOS, so finished
         rows cost nothing. Compiled (compile_model), shapes stay fixed instead: the rows are
         padded to a planned count (plan_decode), and finished rows run on, writing pad, until all
-        are done.
+        are done. With CUDA graphs (settings.graphs, on CUDA: GraphStep) the rows stay fixed too,
+        at n, and the step is captured once per call and replayed for every later token.
     tools (a tools.ToolSession): a row with tool-result tokens queued takes the next one instead of
     its sample (forced tokens are data, not new shapes); a forced token never ends a row; after
     each step the session looks for calls in what the rows sampled and queues their results.
@@ -151,12 +162,17 @@ def lean_decode(
     computed."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
-    if compiled is None:
-        net, R, L = model, n, P + C
-        step = functools.partial(_decode_step, model, key=cache_keyword(model))
-    else:
+    graphed = compiled is None and uses_graphs(settings, device)
+    if compiled is not None:
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
+    elif graphed:  # the twin and the graph live for this call only: their memory goes back after
+        net = model if dtype is None else decode_twin(model, dtype)[0]
+        net, R, L, step = net, n, P + C, GraphStep(net, dtype)
+    else:
+        net, R, L = model, n, P + C
+        step = functools.partial(_decode_step, model, key=cache_keyword(model))
+    fixed = compiled is not None or graphed  # every row stays in the batch, finished or not
     # Every completion column is 1 from the start: causal masking hides the positions not yet
     # written.
     mask = torch.cat(
@@ -196,7 +212,7 @@ def lean_decode(
         ended = torch.isin(token, eos) if forced is None else torch.isin(token, eos) & ~forced
         if tools is not None:  # calls closed at this step run now, their results queued
             tools.observe(rows, token, forced, done | ended, t)
-        if compiled is not None:
+        if fixed:
             done |= ended
         elif ended.any():  # they leave the batch
             stay = (~ended).nonzero().squeeze(1)
@@ -327,6 +343,86 @@ def _decode_step(model, token, mask, position, cache, *, key):
     cache_keyword(model), bound once outside the compiled step."""
     inputs = dict(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True)
     return model(**inputs, **{key: cache}).logits[:, -1]
+
+
+class GraphStep:
+    """_decode_step as a CUDA graph, for one decode call (--decode graphs, the default on CUDA).
+    The eager decode of a 1.7B model is bound by its kernel launches, not by the bytes it reads
+    (docs/gpu.md: 10x the bandwidth floor); replaying the step's kernels as one graph removes the
+    launches, and needs no compiler: capturing is one more forward's worth of Python.
+
+    Its first call is the decode's first step, run eagerly (on a side stream, as capture wants:
+    cuBLAS and the allocator set up outside it); then the same step is captured, reading its
+    token, mask and positions from buffers of its own and writing its logits into one. Every later
+    call copies its inputs into those buffers and replays: the same kernels on the same KV cache,
+    whose write position (StaticCache's cumulative_length) is a tensor the graph advances itself.
+    Nothing of the step may read a value back to the CPU; transformers' static-cache decode does
+    not (it is what torch.compile captures). Autocast's cast cache is off inside (a captured cast
+    must not read a cached copy that autocast frees when its region ends); the twin's weights are
+    already in the compute dtype, so nothing is cast per token anyway.
+
+    A capture that fails (an op of the model that cannot be captured) leaves the call eager, with
+    one warning per process. The graph, its memory pool and its buffers go when the call ends."""
+
+    warned = False  # one warning per process for a failed capture
+
+    def __init__(self, net, dtype, graph=None):
+        self.step = functools.partial(_decode_step, net, key=cache_keyword(net))
+        self.dtype, self.graph = dtype, graph
+        self.inputs = self.logits = None
+
+    def __call__(self, token, mask, position, cache):
+        if self.logits is not None:  # captured: replay on this token
+            for buffer, value in zip(self.inputs, (token, mask, position)):
+                buffer.copy_(value)
+            self.graph.replay()
+            return self.logits
+        if self.graph is False:  # the capture failed: eager for the rest of the call
+            return self.step(token, mask, position, cache)
+        self.graph = self.graph or CudaGraph()
+        with self.autocast(token.device):
+            logits = self.graph.warm_up(lambda: self.step(token, mask, position, cache))
+            self.inputs = [x.clone() for x in (token, mask, position)]
+            try:
+                self.logits = self.graph.capture(lambda: self.step(*self.inputs, cache), logits)
+            except Exception as e:  # noqa: BLE001 (whatever the capture refused: decode eagerly)
+                self.graph, self.logits = False, None
+                if not GraphStep.warned:
+                    GraphStep.warned = True
+                    print(
+                        f"warning: the decode step could not be captured as a CUDA graph "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); decoding "
+                        "eagerly (--decode eager says so up front)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        return logits
+
+    def autocast(self, device):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=self.dtype, cache_enabled=False)
+
+
+class CudaGraph:
+    """What GraphStep needs of torch.cuda: a warm-up on a side stream, a capture (which runs
+    nothing: fn's kernels are recorded, its output tensors are the graph's), and replays."""
+
+    def warm_up(self, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def capture(self, fn, like):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            return fn()
+
+    def replay(self):
+        self.graph.replay()
 
 
 def cache_keyword(model):

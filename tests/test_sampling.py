@@ -675,3 +675,61 @@ def test_step_1_token_logprobs_of_the_policy_and_the_reference_give_loss_minus_2
         stats=stats,
     )
     assert loss.item() == pytest.approx(-2.0, abs=1e-6) and stats["kl"] == 0.0
+
+
+class ReplayGraph:
+    """A CUDA graph's semantics on the CPU, for decode.GraphStep: capture runs nothing and returns
+    the output buffer; every replay runs the captured step again on the buffers' current contents
+    and writes the output in place. (On CUDA the test below runs torch.cuda.CUDAGraph itself.)"""
+
+    replays = 0
+
+    def warm_up(self, fn):
+        return fn()
+
+    def capture(self, fn, like):
+        self.fn, self.out = fn, torch.empty_like(like)
+        return self.out
+
+    def replay(self):
+        ReplayGraph.replays += 1
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize(
+    "device,amp",
+    [("cpu", None), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=CUDA)],
+    ids=["fp32", "bf16-autocast", "cuda-bf16-autocast"],
+)
+def test_the_cuda_graph_decode_draws_the_eager_decodes_tokens(device, amp, monkeypatch):
+    # --decode graphs (CUDA's default): the first step eager, then the captured step replayed from
+    # its own input buffers, every row kept in the batch (finished ones write pad). From the same
+    # random numbers, the tokens of the eager decode, whose finished rows leave the batch, and the
+    # RNG left where it leaves it. On the CPU the graph is ReplayGraph above (the buffers, the
+    # cache's write position and the fixed rows are what is checked); on CUDA, a real capture,
+    # whose replays run no Python: the model's forward runs 3 times (prefill, warm-up, capture).
+    if device == "cpu":
+        monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+        monkeypatch.setattr(decode, "CudaGraph", ReplayGraph)
+    model = small_llama().to(device)
+    model.lm_head.register_forward_hook(lambda m, i, out: [out[..., demo.EOS].add_(1.5)] and None)
+    forwards = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    ids, mask = (x.to(device) for x in left_padded_prompts([5, 1, 8, 3], 97))
+    outs = []
+    for graphs in (False, True):
+        settings = sampling.Sampling(temperature=0.9, max_new_tokens=16, graphs=graphs)
+        torch.manual_seed(3)
+        forwards.clear()
+        ReplayGraph.replays = 0
+        with sampling.autocast(device, amp):
+            outs.append(decode.plain_decode(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+        outs.append(torch.rand(1, device=device))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    lengths = grpo.completion_mask(outs[0], [demo.EOS]).sum(1)
+    assert len(set(lengths.tolist())) >= 4 and (lengths < 16).sum() >= 6  # rows ended apart
+    C = outs[2].shape[1]
+    if device == "cpu":
+        assert ReplayGraph.replays == C - 2  # steps 2..C-1 replayed (1: eager, the warm-up)
+    else:
+        assert len(forwards) == 3 and not decode.GraphStep.warned
