@@ -74,9 +74,7 @@ class Args:
     lora_rank: int = arg(0, "train LoRA adapters of this rank (π_ref: adapters off); 0: all")
     device: str = arg("auto", "auto | cpu | cuda")
     dtype: str = arg("auto", "autocast dtype, weights stay fp32: auto (bf16 on CUDA) | bf16 | fp32")
-    gradient_checkpointing: bool = arg(
-        None, "recompute activations: less memory; auto: CUDA's plan"
-    )
+    gradient_checkpointing: bool = arg(None, "recompute activations: less memory; unset: planned")
     decode: str = arg("auto", "auto (CUDA graphs on CUDA) | graphs | eager: how the decode runs")
     eval_every: int = arg(0, "evaluate every N steps; 0: before and after training; -1: never")
     eval_limit: int = arg(None, "evaluate on the first N held-out questions only")
@@ -378,8 +376,7 @@ def save_if_due(run, args, done):
 
 
 def rng_now():
-    """torch's RNG state at a step's start (data.batch_at seeds its own), for a checkpoint saved
-    inside the step: --resume then redoes it exactly."""
+    """torch's RNG state at a step's start, for a checkpoint saved inside it (--resume redoes)."""
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     return dict(torch=torch.get_rng_state(), **cuda)
 

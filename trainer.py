@@ -364,15 +364,7 @@ def decode_length(task, tokenizer, model, settings):
     """The KV cache length every decode call of the run fits in: its longest prompt, then
     max_new_tokens."""
     limit = sampling.prompt_limit(model, settings)
-    return longest_prompt(task, tokenizer, limit) + settings.max_new_tokens
-
-
-def longest_prompt(task, tokenizer, limit):
-    """The most tokens any prompt of the run has, training and held-out rows, at most `limit`
-    (where they are cut)."""
-    prompts = [task.prompt(tokenizer, row["prompt"]) for row in task.train + task.eval]
-    longest = max(tokenizer(prompts, add_special_tokens=False, return_length=True)["length"])
-    return longest if limit is None else min(longest, limit)
+    return memory.longest_prompt(task, tokenizer, limit) + settings.max_new_tokens
 
 
 # --------------------------------------------------------------------------------------------------

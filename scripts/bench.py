@@ -366,8 +366,8 @@ class DecodeLengths:
         if not self.prefilled:
             end = self.prefill(logits, kwargs)
         elif self.padded or len(logits) == self.n:
-            # every row still in (compiled, CUDA graphs: always): the token these logits draw, from
-            # the cache's length (prompt + tokens fed), on the device, so a captured graph replays it
+            # every row still in (compiled, CUDA graphs: always): the token these logits draw,
+            # from the cache's length (prompt + tokens fed), on the device: a graph replays it
             self.t += 1
             k = kwargs[self.cache_key].get_seq_length() - self.prompt_width
             lengths = torch.cat([self.on_device, self.on_device.new_zeros(len(logits) - self.n)])

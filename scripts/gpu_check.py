@@ -49,7 +49,7 @@ import data
 import sampling
 import trainer
 from scripts import bench
-from support import decode, demo, models
+from support import decode, demo, memory, models
 from support.phases import Phases
 
 KIT_ROWS = {"train": 64, "test": 32}
@@ -592,7 +592,7 @@ def predicted_phases(args, config_name, tokenizer, task):
         batch_size=args.batch_size,
         accumulation=args.gradient_accumulation_steps,
         num_generations=args.num_generations,
-        prompt_len=trainer.longest_prompt(task, tokenizer, None),
+        prompt_len=memory.longest_prompt(task, tokenizer, None),
         max_new_tokens=args.max_new_tokens,
         beta=args.beta,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -808,7 +808,7 @@ def check(opts, train_argv, command):
         if opts.card_gb and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             card = CARDS[f"{opts.card_gb} GB"]
-            torch.cuda.set_per_process_memory_fraction(min(1.0, card / total), device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, card / total), device.index or 0)
         bandwidth = copy_bandwidth(device, 2 * GIB if device.type == "cuda" else 128 * 2**20)
         meter = Meter(device)
         baseline = meter.in_use()  # before the model: what the phases' peaks are measured above

@@ -93,9 +93,18 @@ def linear_modules(model):
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
+def longest_prompt(task, tokenizer, limit):
+    """The most tokens any prompt of the run has, training and held-out rows, at most `limit`
+    (where they are cut)."""
+    prompts = [task.prompt(tokenizer, row["prompt"]) for row in task.train + task.eval]
+    longest = max(tokenizer(prompts, add_special_tokens=False, return_length=True)["length"])
+    return longest if limit is None else min(longest, limit)
+
+
 def card_bytes(device=None):
     """What this process may allocate on the card: its total memory times the process's memory
     fraction (torch.cuda.set_per_process_memory_fraction), as the allocator enforces it."""
+    device = torch.cuda.current_device() if device is None else device
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     return int(total * fraction)
@@ -152,12 +161,18 @@ def checkpointing(args, flags, model, task, tokenizer, card=None):
     if (flags.device != "cuda" or getattr(flags, "fsdp", False)) and card is None:
         choice = bool(flags.gradient_checkpointing)
     else:
-        from trainer import longest_prompt
-
         prompt_len = longest_prompt(task, tokenizer, flags.max_prompt_length)
         card = card_bytes() if card is None else card
         p = plan(model, flags, prompt_len, card)
-        if not p.fits:
+        if not p.fits and flags.gradient_checkpointing is not None:  # the user's flag wins
+            print(
+                f"warning: memory: the plan peaks at {p.peak / GB:.1f} GB, over the card's "
+                f"{p.budget / GB:.1f} GB; running as asked (--{'' if p.checkpointing else 'no-'}"
+                "gradient-checkpointing), and the plan may be pessimistic by a few percent",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not p.fits:
             fixes = what_fits(model, flags, prompt_len, card)
             raise UserError(
                 f"this run needs about {p.peak / GB:.1f} GB on the device at its peak ("
