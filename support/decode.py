@@ -37,7 +37,7 @@ def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, 
     prefilled once into a preallocated KV cache, copied
     to its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p),
     and a row that wrote EOS leaves the batch."""
-    if not uses_lean_decode(model, settings) or uses_graphs(settings, prompt_ids.device):
+    if not uses_lean_decode(model, settings) or settings.graphs:  # generate(): lean_decode's graphs
         return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, key, was_training = B * G, cache_keyword(model), model.training

@@ -420,6 +420,9 @@ def test_resume_refuses_flags_that_differ_from_the_checkpoints_and_names_them(tm
     # these may change
     run_tiny(tmp_path, "--steps", "2", "--resume", "--save-every", "3", "--sample-every", "1")
     assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 2
+    # and so may the memory's choices (the same numbers): checkpointing, and how the decode runs
+    run_tiny(tmp_path, "--steps", "3", "--resume", "--gradient-checkpointing", "--decode", "eager")
+    assert checkpoint.load_state(str(tmp_path / "checkpoint"))["step"] == 3
 
 
 @pytest.mark.slow

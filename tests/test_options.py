@@ -379,3 +379,41 @@ def test_sapo_tau_below_1e_6_is_refused_and_at_1e_6_the_loss_and_gradient_are_fi
     )
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logps.grad).all()
+
+
+def test_decode_auto_is_cuda_graphs_where_the_decode_loop_runs_on_cuda_and_eager_elsewhere():
+    import argparse
+
+    def resolved(**flags):
+        base = dict(device="cuda", decode="auto", compile=None, fsdp=False, num_beams=1)
+        args = argparse.Namespace(**{**base, **flags})
+        config.resolve_decode(args)
+        return args.decode
+
+    assert resolved() == "graphs"
+    assert resolved(device="cpu") == "eager"  # on the CPU nothing changes
+    # --compile compiles its own decode step; --fsdp and beam search decode in generate()
+    assert resolved(compile="inductor") == "eager"
+    assert resolved(fsdp=True) == "eager" and resolved(num_beams=4) == "eager"
+    assert resolved(decode="eager") == "eager"  # the way to turn it off
+    assert resolved(decode="graphs") == "graphs"
+    said = {}
+    for flags in (dict(device="cpu"), dict(compile="inductor"), dict(fsdp=True)):
+        with pytest.raises(config.UserError) as stop:
+            resolved(decode="graphs", **flags)
+        said[next(iter(flags))] = str(stop.value)
+    assert "needs a CUDA device" in said["device"]
+    assert "does not combine with --compile" in said["compile"]
+    assert "--fsdp" in said["fsdp"] and all("\n" not in s for s in said.values())
+    assert config.parse_args([*CPU, "--demo", "--output-dir", "x"]).decode == "eager"
+
+
+@pytest.mark.parametrize("entry", ["train", "trainer"])
+def test_no_gradient_checkpointing_is_a_flag_of_both_files_and_off_on_the_cpu(entry, tmp_path):
+    import train
+
+    argv = [*CPU, "--demo", "--output-dir", str(tmp_path)]
+    parse = (lambda a: train.parse_args(a)[1]) if entry == "train" else config.parse_args
+    assert parse([*argv]).gradient_checkpointing is False  # unset, on the CPU: off
+    assert parse([*argv, "--gradient-checkpointing"]).gradient_checkpointing is True
+    assert parse([*argv, "--no-gradient-checkpointing"]).gradient_checkpointing is False

@@ -733,3 +733,76 @@ def test_the_cuda_graph_decode_draws_the_eager_decodes_tokens(device, amp, monke
         assert ReplayGraph.replays == C - 2  # steps 2..C-1 replayed (1: eager, the warm-up)
     else:
         assert len(forwards) == 3 and not decode.GraphStep.warned
+
+
+class FailingCapture(ReplayGraph):
+    """A capture the device refuses (as CUDA refuses an op that reads a value back mid-capture)."""
+
+    def capture(self, fn, like):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("layers", [2, 8])
+def test_the_graph_decode_captures_one_graph_per_call_whatever_the_depth(layers, monkeypatch):
+    # One graph per decode call, at 2 layers as at 8: the capture records the whole step, every
+    # layer's kernels in it, and nothing is compiled per layer (the whole-model compile costs ~22 s
+    # per layer on the CPU, docs/gpu.md). Measured on the H100 at 24 layers: 0.05 s a call.
+    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+    captures = []
+
+    class Counted(ReplayGraph):
+        def capture(self, fn, like):
+            captures.append(1)
+            return super().capture(fn, like)
+
+    monkeypatch.setattr(decode, "CudaGraph", Counted)
+    model = demo.tiny_llama(97, 0, num_hidden_layers=layers).eval()
+    ids, mask = left_padded_prompts([3, 5], 97)
+    settings = sampling.Sampling(max_new_tokens=6, graphs=True)
+    for call in range(3):
+        decode.plain_decode(model, ids, mask, settings, 2, [-1], demo.PAD)
+        assert len(captures) == call + 1
+
+
+def test_a_capture_the_device_refuses_leaves_the_call_eager_with_one_warning(monkeypatch, capsys):
+    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+    monkeypatch.setattr(decode, "CudaGraph", FailingCapture)
+    monkeypatch.setattr(decode.GraphStep, "warned", False)
+    model = small_llama()
+    ids, mask = left_padded_prompts([5, 1, 8], 97)
+    outs = []
+    for graphs in (False, True, True):
+        torch.manual_seed(4)
+        settings = sampling.Sampling(temperature=1.0, max_new_tokens=10, graphs=graphs)
+        outs.append(decode.plain_decode(model, ids, mask, settings, 2, [demo.EOS], demo.PAD))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("warning: the decode step could not be captured")
+    assert "operation not permitted when stream is capturing" in err  # said once, for 2 calls
+
+
+def test_the_graph_decode_of_a_lora_model_draws_the_eager_tokens(monkeypatch):
+    # --lora-rank: the decode runs the base model with LoRA's layers in it; under bf16 autocast the
+    # graphs' twin holds every Linear of it (the base layers and the adapters) in bf16.
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+    monkeypatch.setattr(decode, "CudaGraph", ReplayGraph)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    model = peft.get_peft_model(small_llama(), config).get_base_model().eval()
+    with torch.no_grad():  # B = 0 at init: the adapters would change nothing
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    ids, mask = left_padded_prompts([5, 1, 8, 3], 97)
+    outs = []
+    for graphs in (False, True):
+        torch.manual_seed(3)
+        settings = sampling.Sampling(temperature=0.9, max_new_tokens=12, graphs=graphs)
+        with sampling.autocast("cpu", torch.bfloat16):
+            outs.append(decode.plain_decode(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+    assert torch.equal(outs[0], outs[1])
+    base = small_llama()  # and the adapters did change the tokens
+    torch.manual_seed(3)
+    with sampling.autocast("cpu", torch.bfloat16):
+        plain = decode.plain_decode(base, ids, mask, settings, 3, [demo.EOS], demo.PAD)
+    assert not torch.equal(plain, outs[0])
