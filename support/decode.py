@@ -32,11 +32,10 @@ def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, 
     """G completions of each prompt as train.py draws them: [B*G, C] token ids, pad after EOS, C
     the longest. lean_decode() without the trainer's options (no tools, no kept log-probs, not
     compiled), spelled out: the same tokens from the same random numbers, bit for bit
-    (tests/test_sampling.py). A model without a static cache goes to generate(), and so does the
-    CUDA-graph decode (--decode graphs, CUDA's default: lean_decode's GraphStep). Each prompt is
-    prefilled once into a preallocated KV cache, copied
-    to its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p),
-    and a row that wrote EOS leaves the batch."""
+    (tests/test_sampling.py). Each prompt is prefilled once into a preallocated KV cache, copied to
+    its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p), and a
+    row that wrote EOS leaves the batch. A model without a static cache goes to generate(), and so
+    does the CUDA-graph decode (--decode graphs, CUDA's default: lean_decode's GraphStep)."""
     if not uses_lean_decode(model, settings) or settings.graphs:  # generate(): lean_decode's graphs
         return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
@@ -167,8 +166,8 @@ def lean_decode(
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
     elif graphed:  # the twin and the graph live for this call only: their memory goes back after
-        net = model if dtype is None else decode_twin(model, dtype)[0]
-        net, R, L, step = net, n, P + C, GraphStep(net, dtype)
+        net, R, L = model if dtype is None else decode_twin(model, dtype)[0], n, P + C
+        step = GraphStep(net, dtype)
     else:
         net, R, L = model, n, P + C
         step = functools.partial(_decode_step, model, key=cache_keyword(model))
