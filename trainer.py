@@ -303,6 +303,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
     model.to(args.device)
     if memory.checkpointing(args, args, model, task, tokenizer):  # as given, or CUDA's plan
         sampling.enable_gradient_checkpointing(model)
+    s = dataclasses.replace(s, shared_prompt=not args.gradient_checkpointing)  # the plan's choice
     if args.compile:  # the decode step and the log-prob forwards of π_θ (and π_ref's)
         for m in {id(m): m for m in (model, ref_model) if m is not None}.values():
             sampling.compile_model(m, args.compile)

@@ -972,7 +972,9 @@ def bench_rollout(a):
         data.build_prompt(tokenizer, row["prompt"])
         for row in data.load_gsm8k("test", path=gsm8k_file("test"))[: a.batch_size]
     ]
-    settings = sampling.Sampling(a.temperature, a.top_k, a.top_p, a.max_new_tokens)
+    settings = sampling.Sampling(
+        a.temperature, a.top_k, a.top_p, a.max_new_tokens, graphs=DEVICE == "cuda"
+    )  # as a run decodes: CUDA graphs on a GPU
     # an EOS after max_new tokens: never
     n = a.warmup + a.steps
     lengths = torch.full((n, a.batch_size * a.num_generations), a.max_new_tokens + 1)

@@ -182,7 +182,7 @@ def trl_config_kwargs(args, output_dir):
         adam_beta1=0.9,
         adam_beta2=0.999,
         adam_epsilon=1e-8,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=bool(args.gradient_checkpointing),  # unset: off (ours: off at 135M)
         max_steps=args.steps,
         shuffle_dataset=False,  # the dataset is in our loop's order already
         dataloader_num_workers=0,

@@ -128,6 +128,24 @@ def uses_graphs(settings, device):
     return settings.graphs and torch.device(device).type == "cuda"
 
 
+def static_layers(model):
+    """Whether every layer of this model's static cache keeps its state on the device, as a CUDA
+    graph needs (StaticLayer: the write position is a tensor). A sliding-window layer picks its
+    branch from a Python int (transformers' StaticSlidingWindowLayer), which a replay would not
+    update: those models decode eagerly, said once."""
+    if not any(getattr(layer, "is_sliding", False) for layer in KVCache(model.config, 1).layers):
+        return True
+    if not GraphStep.warned:
+        GraphStep.warned = True
+        print(
+            "warning: this model's KV cache has sliding-window layers, whose position a CUDA graph "
+            "cannot replay: decoding eagerly",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
 def uses_lean_decode(model, settings):
     """Whether lean_decode() runs this model: sampling or greedy (beam search stays with
     generate()), whole weights (under FSDP2 generate() keeps the processes in lockstep), and a
@@ -161,7 +179,7 @@ def lean_decode(
     computed."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
-    graphed = compiled is None and uses_graphs(settings, device)
+    graphed = compiled is None and uses_graphs(settings, device) and static_layers(model)
     if compiled is not None:
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
@@ -384,6 +402,8 @@ class GraphStep:
             self.inputs = [x.clone() for x in (token, mask, position)]
             try:
                 self.logits = self.graph.capture(lambda: self.step(*self.inputs, cache), logits)
+            except torch.OutOfMemoryError:  # the run's own paragraph, not a fallback
+                raise
             except Exception as e:  # noqa: BLE001 (whatever the capture refused: decode eagerly)
                 self.graph, self.logits = False, None
                 if not GraphStep.warned:
@@ -417,7 +437,10 @@ class CudaGraph:
 
     def capture(self, fn, like):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (NCCL's watchdog under torchrun) do not break
+        # the capture. (torch.cuda.graph also empties the allocator's cache on entry: a cost per
+        # decode call, docs/gpu.md)
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             return fn()
 
     def replay(self):

@@ -14,11 +14,13 @@ call: the flag as given, else the plan's choice, said in one line, or a UserErro
 when nothing fits.
 """
 
+import argparse
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from support import distributed
 from support.errors import UserError
 
 GB = 1e9
@@ -60,10 +62,12 @@ def phases(model, args, prompt_len, checkpointing, micro=None, max_new=None, lor
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or h // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    # LoRA: rank r adapters on every Linear (an upper bound: A and B of each)
-    trained = (
-        sum(lora * (m.in_features + m.out_features) for m in linear_modules(model)) if lora else n
-    )
+    # LoRA: the adapters' parameters where the model has them already (train.py and trainer.py
+    # plan after adding them), else rank r on every Linear (an upper bound, for what_fits)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if lora and not (args.lora_rank and adapters < n):
+        adapters = sum(lora * (m.in_features + m.out_features) for m in linear_modules(model))
+    trained = adapters if lora else n
     G = args.num_generations
     seq = prompt_len + (max_new or args.max_new_tokens)
     rows = args.batch_size * args.gradient_accumulation_steps * G
@@ -77,15 +81,25 @@ def phases(model, args, prompt_len, checkpointing, micro=None, max_new=None, lor
     V = c.vocab_size
     compiled = bool(getattr(args, "compile", None))
     static = 4 * n + 8 * trained + (width * n if args.beta > 0 and not lora else 0)
+    # DDP (torchrun without --fsdp) keeps its flat gradient buckets beside the gradients
+    ddp = 4 * trained if distributed.world() > 1 and not getattr(args, "fsdp", False) else 0
     if compiled:  # the twin and the two planned shapes' caches, for the whole run
         static += copy + (rows + eval_rows) * seq * kv_token
     decode = 0 if compiled else copy
     return {
         "generate": static + decode + (0 if compiled else rows * seq * kv_token),
         "reference": static + micro * prompt_len * kv_token + 2 * 4 * chunk * V,
-        "policy": static + 4 * trained + copy + activations + 3 * 4 * chunk * V + width * V * h,
-        "optimizer": static + 4 * trained,
-        "evaluation": static + decode + (0 if compiled else eval_rows * seq * kv_token),
+        "policy": static
+        + 4 * trained
+        + ddp
+        + copy
+        + activations
+        + 3 * 4 * chunk * V
+        + width * V * h,
+        "optimizer": static + 4 * trained + ddp,
+        "evaluation": 0  # --eval-every -1: none
+        if args.eval_every == -1
+        else static + decode + (0 if compiled else eval_rows * seq * kv_token),
     }
 
 
@@ -149,6 +163,14 @@ def what_fits(model, args, prompt_len, card):
         and max(phases(model, args, prompt_len, on, lora_rank=16).values()) <= budget
     ):
         out.append("--lora-rank 16")
+    for b in (4, 2, 1):  # an evaluation of fewer questions at a time, where it is the peak
+        fewer = argparse.Namespace(**{**vars(args), "eval_batch_size": b})
+        if (
+            b < args.eval_batch_size
+            and max(phases(model, fewer, prompt_len, on).values()) <= budget
+        ):
+            out.append(f"--eval-batch-size {b}")
+            break
     return out
 
 

@@ -139,3 +139,21 @@ def _characters_as_tokens(monkeypatch):
         "longest_prompt",
         lambda task, tokenizer, limit: memory_longest(task, _lengths, limit),
     )
+
+
+def test_the_plan_counts_no_evaluation_when_there_is_none_and_a_lora_models_own_adapters(model):
+    none = memory.phases(model, flags("--eval-every", "-1"), PROMPT, True)
+    assert none["evaluation"] == 0 and none["policy"] > 0
+    peft = pytest.importorskip("peft")
+    from support import demo
+
+    small = demo.tiny_llama(97, 0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    lora = peft.get_peft_model(small, config).get_base_model()
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    args = flags("--lora-rank", "4")
+    args.beta = 0.0
+    got = memory.phases(lora, args, 8, False)
+    n = sum(p.numel() for p in lora.parameters())
+    # the optimizer phase: fp32 weights, AdamW's two moments and the gradients of the adapters
+    assert got["optimizer"] == 4 * n + 8 * adapters + 4 * adapters

@@ -806,3 +806,35 @@ def test_the_graph_decode_of_a_lora_model_draws_the_eager_tokens(monkeypatch):
     with sampling.autocast("cpu", torch.bfloat16):
         plain = decode.plain_decode(base, ids, mask, settings, 3, [demo.EOS], demo.PAD)
     assert not torch.equal(plain, outs[0])
+
+
+def test_a_sliding_window_model_decodes_eagerly_under_graphs_and_says_so(monkeypatch, capsys):
+    # transformers' StaticSlidingWindowLayer picks its branch from a Python int that a replay would
+    # not update (its write position would run past the window): such models stay eager
+    from transformers import MistralConfig, MistralForCausalLM
+
+    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+    captures = []
+
+    class Counted(ReplayGraph):
+        def capture(self, fn, like):
+            captures.append(1)
+            return super().capture(fn, like)
+
+    monkeypatch.setattr(decode, "CudaGraph", Counted)
+    monkeypatch.setattr(decode.GraphStep, "warned", False)
+    config = MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    assert not decode.static_layers(model) and decode.static_layers(small_llama())
+    ids, mask = left_padded_prompts([5, 3], 97)
+    outs = []
+    for graphs in (False, True):
+        torch.manual_seed(2)
+        settings = sampling.Sampling(max_new_tokens=12, graphs=graphs)  # 5 + 12 > the window
+        outs.append(decode.plain_decode(model, ids, mask, settings, 2, [-1], demo.PAD))
+    assert torch.equal(outs[0], outs[1]) and captures == []
+    assert "sliding-window layers" in capsys.readouterr().err
