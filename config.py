@@ -7,6 +7,7 @@ this project sets out to reproduce; --demo and --task addition swap in their own
 """
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -35,7 +36,27 @@ class Parser(argparse.ArgumentParser):
     code 2, as the checks below are: not the usage of every flag first."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags).\n")
+        self.exit(
+            2, f"{self.prog}: error: {message}{self.hint(message)} (--help lists the flags).\n"
+        )
+
+    def hint(self, message):
+        """For an unknown flag: the nearest one this parser takes ("--stpes": "--steps")."""
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        near = difflib.get_close_matches(unknown[1].split("=")[0], flags, 1) if unknown else []
+        return f"; did you mean {near[0]}?" if near else ""
+
+
+class ReferenceParser(Parser):
+    """train.py's parser: an unknown flag that trainer.py takes is said to be trainer.py's."""
+
+    def hint(self, message):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        name = unknown[1].split("=")[0] if unknown else None
+        if name and name in build_parser()._option_string_actions:
+            return f"; {name} is trainer.py's: python trainer.py <the same flags> {name} ..."
+        return super().hint(message)
 
 
 def build_parser():
@@ -834,6 +855,11 @@ def check_task_flags(args):
         for f in ("data", "eval_data", "prompt_field", "answer_field", "system_prompt")
         if getattr(args, f) is not None
     ]
+    if args.demo and args.model != "demo":  # DEMO_DEFAULTS' model: any other was given
+        raise UserError(
+            f"--demo brings its own model (a tiny Llama built in code); drop --model {args.model}, "
+            "or drop --demo to train it."
+        )
     if args.demo and custom:
         raise UserError(
             f"--demo brings its own task; drop --{custom[0].replace('_', '-')} (--reward-fn and "

@@ -173,6 +173,8 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
     scale: "group" divides by the group's std (the paper, §4.1.2), "batch" by the whole batch's std,
     "none" does not divide (Dr. GRPO, arXiv 2503.20783). std is Bessel-corrected (torch.std's
     default). A group whose rewards are all equal gets exactly 0: it carries no learning signal.
+    The statistics are taken in float64, so that any finite rewards (float32's up to ±3.4e38, a
+    weighted total beyond them) give finite advantages; they come back in float32.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
@@ -183,14 +185,14 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4):
             f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
             f"got shape {tuple(rewards.shape)}"
         )
-    r = rewards.float().view(-1, group_size)  # [B, G]
+    r = rewards.double().view(-1, group_size)  # [B, G]; float64: finite rewards, finite stats
     all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # [B, 1]
     centered = torch.where(all_equal, 0.0, r - r.mean(dim=1, keepdim=True))  # r_i - mean(r)
     if scale == "group":
         centered = centered / (r.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
-        centered = centered / (rewards.float().std() + eps)
-    return centered.flatten()  # [N]
+        centered = centered / (rewards.double().std() + eps)
+    return centered.float().flatten()  # [N]
 
 
 def process_advantages(step_rewards, step_ends, group_size, num_tokens, *, eps=1e-4):

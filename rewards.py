@@ -30,6 +30,7 @@ the work grows linearly with the length of the text (no catastrophic backtrackin
 pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Decimal, never float.
 """
 
+import copy
 import inspect
 import os
 import re
@@ -350,7 +351,7 @@ def score(reward_fns, completions, answers, steps=None, here=False, /, **columns
                 steps[r.name] = per_fn[r.name]
             means = [sum(v for _, v in pairs) / max(len(pairs), 1) for pairs in per_fn[r.name]]
             per_fn[r.name] = torch.tensor(means, dtype=torch.float32)
-    return sum(r.weight * per_fn[r.name] for r in reward_fns), per_fn
+    return sum(r.weight * per_fn[r.name].double() for r in reward_fns), per_fn  # float64: finite
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,17 +375,26 @@ def declared_columns(fn, columns):
 
 
 def call_here(r, completions, answers, columns):
-    """How train.py calls a reward function (score(..., here=True)): in this process, on the
-    batch itself, with no time limit (a second Ctrl-C stops one that hangs, saved).
-    trainer.py's sandbox.call_reward adds each function its own copies of the arguments, a time
-    limit and a worker process. What it raises or returns wrong is the same error as there: a
+    """How train.py calls a reward function (score(..., here=True)): in this process, on its own
+    copies of the batch (as trainer.py's are), with no time limit (a second Ctrl-C stops one that
+    hangs, saved). trainer.py's sandbox.call_reward adds a time limit and a worker process: a
+    function that ends the process itself (os._exit) ends train.py with it, unsaved
+    (docs/reliability.md). What it raises or returns wrong is the same error as there: a
     UserError naming the function (sandbox.as_rewards checks what is not one finite float32
     number per completion, and turns a process reward's steps into sandbox.Steps)."""
     import torch
 
-    try:
-        values = r.fn(completions, answers, **columns)
-    except sandbox.NOT_REWARD_ERRORS:
+    try:  # each function its own copies: what one does to its lists, the next does not see
+        values = r.fn(*copy.deepcopy((completions, answers)), **copy.deepcopy(columns))
+    except sandbox.NOT_REWARD_ERRORS as e:
+        from support.signals import STOPS  # here: the reward worker imports this file, not torch
+
+        if type(e) is KeyboardInterrupt and STOPS.previous:  # a signal's stop is Stopped
+            raise UserError(
+                f"reward function {r.name!r} raised KeyboardInterrupt itself (no Ctrl-C came: "
+                "under train.py a Ctrl-C finishes the step); a reward function must return one "
+                "float per completion."
+            ) from None
         raise
     except BaseException as e:  # SystemExit too: a reward function does not end the run
         message = sandbox.exception_message(r.name, e, r.fn, completions, answers, columns)
@@ -407,7 +417,25 @@ def imported_here(specs):
         else (spec.partition(":")[2], sandbox.import_function(spec, "--reward-fn", os.getcwd()))
         for spec in specs
     ]
+    check_names([name for name, _ in named])
     return weighted(named, [1.0] * len(named))
+
+
+def check_names(names):
+    """UserError where two rewards would share a name (their per-function values merged: one's
+    dropped, the other's counted twice; the same function given twice too), or one is named
+    'reward', the weighted total's name. Both entry points, before any model loads."""
+    if "reward" in names:
+        raise UserError(
+            "no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
+            "function."
+        )
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(
+            f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
+            "and reward model may be given once, and their names must differ."
+        )
 
 
 def from_flags(args, defaults, fields=()):
@@ -435,17 +463,7 @@ def from_flags(args, defaults, fields=()):
             f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
             f"{len(weights)}."
         )
-    if "reward" in names:
-        raise UserError(
-            "no reward may be named 'reward': that name is the weighted total's (eval/reward). Rename the "
-            "function."
-        )
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise UserError(
-            f"two rewards would be logged under the same name ({', '.join(twice)}); each reward function "
-            "and reward model may be given once, and their names must differ."
-        )
+    check_names(names)
     for name, fn in named:
         check_signature(name, fn, fields)
     # the compute dtype

@@ -48,8 +48,7 @@ def arg(default, help):
 
 @dataclass
 class Args:
-    """The flags. Defaults: Pramodith's GRPO trainer blog (SmolLM2-1.7B-Instruct on GSM8K); --demo
-    swaps in config.DEMO_DEFAULTS. Any trainer.py flag not here keeps its default."""
+    """The flags, with the defaults of Pramodith's GRPO blog (--demo: config.DEMO_DEFAULTS)."""
 
     model: str = arg("SmolLM2-1.7B-Instruct", "a local directory, a hub id or a SmolLM2 name")
     demo: bool = arg(False, "offline demo: a tiny Llama built in code learns 1-digit addition")
@@ -90,9 +89,10 @@ def parse_args(argv=None):
     """(Args, the same flags as trainer.py reads them). config.parse_args checks every value (one
     clear line for a bad one), applies --demo's defaults and fills in the device, the dtype and the
     output directory; the support functions take its namespace."""
-    parser = argparse.ArgumentParser(
+    parser = config.ReferenceParser(
         description=__doc__.split("\n")[0],
-        epilog="Beyond the paper (tools, DAPO, GSPO, torchrun, ...): python trainer.py --help.",
+        epilog="--reward-fn runs in this process: a function that exits it (os._exit) ends the run, "
+        "unsaved. Isolated, and beyond the paper (tools, DAPO, ...): python trainer.py --help.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(Args):

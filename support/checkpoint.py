@@ -130,6 +130,11 @@ def restore(resume_dir, args, optimizer, scheduler, scaler, ref_model=None):
             f"runs over {args.steps * args.num_iterations} updates now; the next update's learning "
             f"rate is {scheduler.get_last_lr()[0]:.3g}"
         )
+    if state["step"] >= args.steps:  # nothing left to train: say so, and how to go on
+        print(
+            f"the run is complete ({state['step']} of {args.steps} steps): nothing to train; pass "
+            f"--steps N larger than {state['step']} to train further"
+        )
     return state["step"]
 
 
@@ -240,19 +245,27 @@ MAY_CHANGE_ON_RESUME = {
     "model",
     "data",
     "device",
-    "decode",  # how the decode runs (CUDA graphs or eager): the same tokens
-    "gradient_checkpointing",  # memory, not the numbers
+    # how the decode runs (CUDA graphs or eager), and the memory's choice: the same computation,
+    # bit for bit on the CPU; on CUDA other kernels may round otherwise (exact resume is the CPU's
+    # promise anyway, docs/reliability.md)
+    "decode",
+    "gradient_checkpointing",
 }
+
+
+def differing_flags(saved, args):
+    """The flags outside MAY_CHANGE_ON_RESUME whose value differs from the checkpoint's, sorted."""
+    return [
+        k
+        for k, v in sorted(vars(args).items())
+        if k not in MAY_CHANGE_ON_RESUME and k in saved and saved[k] != v
+    ]
 
 
 def check_same_flags(saved, args):
     """UserError naming every flag (outside MAY_CHANGE_ON_RESUME) whose value differs from the
     checkpoint's."""
-    differ = [
-        k
-        for k, v in sorted(vars(args).items())
-        if k not in MAY_CHANGE_ON_RESUME and k in saved and saved[k] != v
-    ]
+    differ = differing_flags(saved, args)
     if differ:
         changes = "; ".join(
             f"--{k.replace('_', '-')} was {saved[k]!r}, now {getattr(args, k)!r}" for k in differ

@@ -22,7 +22,7 @@ import sys
 import time
 
 from support import distributed
-from support.checkpoint import checkpoint_step, find_last, saved_flags
+from support.checkpoint import checkpoint_step, differing_flags, find_last, saved_flags
 from support.errors import UserError, failure
 
 LOCK = ".lock"
@@ -72,20 +72,34 @@ def new_run_dir(args, now=None):
 
 def last_run_like(args):
     """--resume without --output-dir: the directory under RUNS whose last checkpoint is the newest
-    among those whose flags match this run's in SAME_RUN, said on stdout; a UserError when there is
-    none."""
-    found = []
+    among those whose flags match this run's (SAME_RUN, and every flag that may not change on
+    resume: checkpoint.MAY_CHANGE_ON_RESUME's complement, so --steps may differ), said on stdout; a
+    UserError when there is none, listing the runs of the same model with the flags that differ."""
+    found, near = [], []
     for name in sorted(os.listdir(RUNS)) if os.path.isdir(RUNS) else []:
         path = os.path.join(RUNS, name)
         last = find_last(path, quiet=True) if os.path.isdir(path) else None
         flags = saved_flags(last) if last is not None else None
-        if flags is not None and all(flags.get(k) == getattr(args, k) for k in SAME_RUN):
+        if flags is None:
+            continue
+        # every flag that may not change on resume, and the run's identity (its model too)
+        differ = [k for k in SAME_RUN if flags.get(k) != getattr(args, k)]
+        differ += [k for k in differing_flags(flags, args) if k not in differ]
+        if not differ:
             found.append((os.path.getmtime(os.path.join(last, "training_state.pt")), path))
+        elif all(flags.get(k) == getattr(args, k) for k in ("demo", "model")):
+            near.append(f"{path} (" + ", ".join("--" + k.replace("_", "-") for k in differ) + ")")
     if not found:
         like = f"{run_name(args)}, seed {args.seed}"
+        others = (
+            f" Runs of the same model whose flags differ (those named): {'; '.join(near[-5:])}."
+            if near
+            else ""
+        )
         raise UserError(
-            f"--resume: no run like this one ({like}) with a checkpoint in {RUNS}/. Pass the "
-            "--output-dir of the run to continue, or drop --resume to start a new one."
+            f"--resume: no run like this one ({like}, these flags) with a checkpoint in {RUNS}/."
+            f"{others} Pass the --output-dir of the run to continue (with its flags), or drop "
+            "--resume to start a new one."
         )
     path = max(found)[1]
     if os.environ.get("RANK", "0") == "0":

@@ -98,8 +98,18 @@ def test_resume_without_output_dir_continues_the_last_run_like_this_one(
     trainer.main(demo)
     trainer.main([*demo, "--seed", "7"])  # another seed: not like the runs below
     trainer.main(demo)
-    first, other, last = sorted(os.listdir("runs"))  # names sort by time (one second apart or -2)
+    # the newest: a --tool run of the demo, which a resume without --tool must not take (it did,
+    # matching only demo, model, task, LoRA rank and seed, then failed on the other vocabulary)
+    trainer.main([*demo, "--tool", "calculator"])
+    first, other, last, tool = sorted(os.listdir("runs"))  # by time (a second apart, or -2)
     capsys.readouterr()
+    trainer.main([*demo, "--resume"])  # the run as it finished: nothing to train, said so
+    out = capsys.readouterr().out
+    steps = SHORT[SHORT.index("--steps") + 1]
+    assert f"--resume: continuing runs/{last}, the last run of demo with these flags" in out
+    assert (
+        f"the run is complete ({steps} of {steps} steps): nothing to train; pass --steps N" in out
+    )
     trainer.main([*demo, "--resume", "--steps", "3"])
     out = capsys.readouterr().out
     assert f"--resume: continuing runs/{last}, the last run of demo with these flags" in out
@@ -112,10 +122,18 @@ def test_resume_without_output_dir_continues_the_last_run_like_this_one(
     with pytest.raises(SystemExit) as info:
         trainer.main([*demo, "--resume", "--seed", "8"])
     assert info.value.code == 2
-    assert capsys.readouterr().err == (
-        "error: --resume: no run like this one (demo, seed 8) with a checkpoint in runs/. Pass the "
-        "--output-dir of the run to continue, or drop --resume to start a new one.\n"
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: --resume: no run like this one (demo, seed 8, these flags) with a checkpoint in "
+        "runs/. Runs of the same model whose flags differ (those named): "
     )
+    assert f"runs/{other} (--seed)" in err and f"runs/{tool} (--seed, " in err
+    assert "--tool" in err.split(f"runs/{tool} (")[1].split(")")[0]
+    assert err.endswith(
+        "Pass the --output-dir of the run to continue (with its flags), or drop --resume to start "
+        "a new one.\n"
+    )
+    assert err.count("\n") == 1
 
 
 @pytest.mark.slow

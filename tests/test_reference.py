@@ -172,9 +172,16 @@ def test_the_reference_help_prints_each_flags_default(capsys):
 @pytest.mark.parametrize(
     "argv, said",
     [
-        (["--tool", "calculator"], "unrecognized arguments: --tool calculator"),
+        (
+            ["--tool", "calculator"],
+            "unrecognized arguments: --tool calculator; --tool is trainer.py's: python trainer.py "
+            "<the same flags> --tool ...",
+        ),
+        (["--stpes", "5"], "unrecognized arguments: --stpes 5; did you mean --steps?"),
+        (["--loss-type", "dapo"], "--loss-type is trainer.py's: python trainer.py"),
         (["--lr", "-1"], "--lr"),
         (["--dtype", "fp16"], "--dtype fp16 needs a loss scaler"),
+        (["--demo", "--model", "/nonexistent"], "--demo brings its own model"),
     ],
 )
 def test_a_flag_the_reference_does_not_take_or_a_bad_value_is_one_line_and_exit_2(
@@ -184,7 +191,8 @@ def test_a_flag_the_reference_does_not_take_or_a_bad_value_is_one_line_and_exit_
     with pytest.raises(SystemExit) as stop:
         train.main([*CPU, "--output-dir", "unused", *argv])
     assert stop.value.code == 2
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err  # one line, not argparse's usage block
 
 
 def test_train_py_is_at_most_450_lines_and_reads_as_algorithm_1():
@@ -297,7 +305,8 @@ def test_a_reset_that_cannot_be_done_is_one_paragraph_and_exit_2(extra, said, ca
 
 def traced_lines(argv):
     """{(file, line): times run} of the project's own code (not tests, not installed packages)
-    during train.main(argv), as ../shared/tools/step_lines.py counts them."""
+    during train.main(argv): each distinct line of the project's .py files that ran, and how
+    often (lines of tests and installed packages not counted)."""
     hits, root = collections.Counter(), os.path.realpath(ROOT) + os.sep
     mine = {}
 
@@ -330,8 +339,8 @@ def traced_lines(argv):
 def test_one_step_of_the_reference_runs_in_6_files_and_no_more_lines_than_measured(tmp_path):
     # The reading path of one step: the lines whose count grows with the steps (the demo, 2 steps
     # against 3; setup and the final save cancel out). Measured here 424 on 2026-11-27, with
-    # decode.plain_decode (../shared/tools/step_lines.py, 2 steps against 4 with the evaluations:
-    # 426; 784 in 14 files when the reference issue was filed): any line more fails here.
+    # decode.plain_decode (counted over 2 steps against 4 with the evaluations on, the same
+    # tracing gave 426; 784 in 14 files when the reference issue was filed): any line more fails.
     argv = [*CPU, "--demo", "--eval-every", "-1"]
     a, b = (traced_lines([*argv, "--steps", n, "--output-dir", str(tmp_path / n)]) for n in "23")
     step = {key for key, n in b.items() if n > a.get(key, 0)}

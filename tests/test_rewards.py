@@ -805,10 +805,16 @@ def test_train_py_reads_every_good_return_value_as_trainer_py_does(name):
         return _generator() if isinstance(value, str) else value
 
     reward = rewards.weighted([("f", fn)], [1.0])
-    here, _ = rewards.score(reward, ["a", "b"], ["1", "2"], None, True)
-    there, _ = rewards.score(reward, ["a", "b"], ["1", "2"])
+    (total_here, here), (total_there, there) = (
+        rewards.score(reward, ["a", "b"], ["1", "2"], None, in_process)
+        for in_process in (True, False)
+    )
+    here, there = here["f"], there["f"]
     assert here.dtype == there.dtype == torch.float32 and here.device.type == "cpu"
     assert torch.equal(here, there), (here, there)
+    # the weighted total is float64 (finite for any finite rewards and weights), on both paths
+    assert total_here.dtype == total_there.dtype == torch.float64
+    assert torch.equal(total_here, total_there)
 
 
 def said_in_and_out_of_process(fn, completions):
@@ -849,3 +855,90 @@ def test_train_py_takes_a_process_rewards_steps_as_trainer_py_does():
         total, per_fn = rewards.score(reward, ["abcdef", "abcd"], ["1", "2"], kept, here)
         got.append((total.tolist(), per_fn["s"].tolist(), [list(p) for p in kept["s"]]))
     assert got[0] == got[1] and got[0][0] == [0.5, 1.0]
+
+
+def test_train_py_refuses_two_rewards_under_one_name_as_trainer_py_does(tmp_path, monkeypatch):
+    # --reward-fn a:f --reward-fn b:f merged the two in train.py: per_fn["f"] kept b's values and
+    # the total counted them twice, a's never: the run trained on the wrong reward, silently
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("def f(c, a):\n    return [1.0] * len(c)\n")
+    (tmp_path / "b.py").write_text("def f(c, a):\n    return [0.0] * len(c)\n")
+    (tmp_path / "c.py").write_text("def reward(c, a):\n    return [0.0] * len(c)\n")
+    cases = {
+        "two functions, one name": ["a:f", "b:f"],
+        "one function twice": ["a:f", "a:f"],
+        "the total's name": ["c:reward"],
+    }
+    for case, specs in cases.items():
+        with pytest.raises(rewards.UserError) as stop:
+            rewards.imported_here(specs)
+        said = str(stop.value)
+        assert "\n" not in said, case
+        assert ("same name (f)" in said) if "reward" not in specs[0] else ("'reward'" in said)
+        argv = ["--demo", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+        with pytest.raises(SystemExit) as exit_:  # train.py itself: exit 2, before any step
+            train.main([*argv, *(x for spec in specs for x in ("--reward-fn", spec))])
+        assert exit_.value.code == 2 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert [r.name for r in rewards.imported_here(["a:f", "correctness"])] == ["f", "correctness"]
+
+
+def test_train_py_gives_each_reward_function_its_own_copies(monkeypatch):
+    # trainer.py's sandbox copies the arguments; train.py's in-process call does too: a function
+    # that clears, sorts or edits its lists changes neither the next function's view nor the batch
+    seen = []
+
+    def vandal(completions, answers, prompts):
+        completions.clear()
+        answers.reverse()
+        prompts[0] = "edited"
+        return [1.0, 2.0]
+
+    def reader(completions, answers, prompts):
+        seen.append((list(completions), list(answers), list(prompts)))
+        return [0.0, 0.0]
+
+    batch = (["x", "y"], ["1", "2"], ["p", "q"])
+    fns = rewards.weighted([("vandal", vandal), ("reader", reader)], [1.0, 1.0])
+    total, per_fn = rewards.score(fns, batch[0], batch[1], None, True, prompts=batch[2])
+    assert seen == [(["x", "y"], ["1", "2"], ["p", "q"])]
+    assert batch == (["x", "y"], ["1", "2"], ["p", "q"])
+    assert total.tolist() == [1.0, 2.0] and per_fn["vandal"].tolist() == [1.0, 2.0]
+
+
+def test_a_keyboard_interrupt_a_reward_raises_itself_is_its_error_not_a_ctrl_c():
+    from support.signals import STOPS, Stopped
+
+    def rude(completions, answers):
+        raise KeyboardInterrupt
+
+    fns = rewards.weighted([("rude", rude)], [1.0])
+    with STOPS:  # train.py's handlers: a Ctrl-C is a request, its stop a Stopped
+        with pytest.raises(rewards.UserError, match="reward function 'rude' raised KeyboardInter"):
+            rewards.score(fns, ["a"], ["1"], None, True)
+
+        def stopped(completions, answers):
+            raise Stopped(2)  # what a second Ctrl-C raises inside the call: it goes through
+
+        with pytest.raises(Stopped):
+            rewards.score(rewards.weighted([("s", stopped)], [1.0]), ["a"], ["1"], None, True)
+    with pytest.raises(KeyboardInterrupt):  # no handlers (train() from your code): as it was
+        rewards.score(fns, ["a"], ["1"], None, True)
+
+
+def test_rewards_at_float32s_limit_give_finite_advantages():
+    import grpo
+
+    # float32's largest is 3.4e38: a group's sum, mean and std overflowed in float32
+    big = float(torch.tensor(3.0e38))  # exactly a float32, as the reward's values become
+    per = [big, -big, big, -big]
+    fns = rewards.weighted([("huge", lambda c, a: per), ("also", lambda c, a: per)], [2.0, 0.5])
+    total, _ = rewards.score(fns, list("abcd"), list("1234"), None, True)
+    assert total.isfinite().all() and total.tolist() == [2.5 * big, -2.5 * big] * 2
+    advantages = grpo.group_advantages(total, 4)
+    # mean 0, Bessel std = 2.5 big * sqrt(4/3): ±sqrt(3)/2, in float32
+    assert advantages.dtype == torch.float32
+    assert torch.allclose(advantages, torch.tensor([1.0, -1.0] * 2) * 3**0.5 / 2, rtol=1e-6)
+    for scale in ("batch", "none"):
+        assert grpo.group_advantages(torch.tensor(per), 2, scale=scale).isfinite().all()
