@@ -8,6 +8,7 @@ this project sets out to reproduce; --demo and --task addition swap in their own
 
 import argparse
 import difflib
+import functools
 import math
 import os
 import re
@@ -539,7 +540,12 @@ def parse_args(argv=None):
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
-    check(args)
+    try:
+        check(args)
+    except UserError as e:  # a value the preset set: say so, or nothing tells it did
+        if args.preset is None:
+            raise
+        raise UserError(f"{e} ({preset_line(args)})") from None
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -588,20 +594,34 @@ def preset_line(args):
         return None
     preset = PRESETS[args.preset]
     kept = [k for k, v in preset.items() if getattr(args, k) != v]
-    set_ = [as_flag(k, v) for k, v in preset.items() if k not in kept]
-    line = f"--preset {args.preset} (TRL 1.16 GRPOConfig's defaults) set: {' '.join(set_)}"
+    # the KL's bias correction is inert at β = 0 (and refused there without the preset): not said
+    inert = {"kl_bias_correction"} if args.beta == 0 else set()
+    set_ = [as_flag(k, v) for k, v in preset.items() if k not in kept and k not in inert]
+    line = f"--preset {args.preset} (TRL 1.16 GRPOConfig's defaults) set: {' '.join(filter(None, set_))}"
     if kept:
-        line += "; given, kept: " + " ".join(as_flag(k, getattr(args, k)) for k in kept)
+        line += "; given, kept: " + " ".join(
+            filter(None, (as_flag(k, getattr(args, k)) for k in kept))
+        )
     return line
 
 
 def as_flag(name, value):
-    """A setting as the command line writes it: --name VALUE, --name for a switch that is on, no
-    --name for one that is off, --name off for None."""
+    """A setting as the command line writes it, so that a line of them can be pasted back as
+    flags: --name VALUE, --name for a switch that is on, --no-name for one that is off; "" for
+    what the command line cannot spell and need not (None, every such flag's default; off for a
+    switch without --no-name, its default)."""
     option = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return option if value else f"no {option}"
-    return f"{option} {'off' if value is None else f'{value:g}' if isinstance(value, float) else value}"
+        negatable = "--no-" + option[2:] in option_strings()
+        return option if value else f"--no-{option[2:]}" if negatable else ""
+    if value is None:
+        return ""
+    return f"{option} {f'{value:g}' if isinstance(value, float) else value}"
+
+
+@functools.cache
+def option_strings():
+    return frozenset(build_parser()._option_string_actions)
 
 
 # --reward-memory's range (GiB of address space for the worker process, support/worker.py). At

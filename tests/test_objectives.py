@@ -132,8 +132,36 @@ def test_preset_trl_yields_to_each_flag_given_and_its_line_says_which(tmp_path):
     args = config.parse_args([*argv, "1e-6", "--no-dropout", "--no-kl-bias-correction"])
     assert not args.dropout and not args.kl_bias_correction
     assert config.preset_line(args).endswith(
-        "kept: --beta 0.04 no --kl-bias-correction no --dropout"
+        "kept: --beta 0.04 --no-kl-bias-correction --no-dropout"
     )
+
+
+def test_the_presets_line_pastes_back_as_the_same_flags(tmp_path):
+    # Before: "--epsilon-high off", "no --mask-truncated": not flags. Now every word is one, and
+    # the line's flags give the preset's values without --preset.
+    base = [*CPU, "--output-dir", str(tmp_path)]
+    for extra in ([], ["--beta", "0.04", "--no-dropout", "--lr", "3e-6"]):
+        args = config.parse_args([*base, "--preset", "trl", *extra])
+        line = config.preset_line(args)
+        flags = line.split(" set: ")[1].replace("; given, kept:", "").split()
+        assert "off" not in flags and "no" not in flags
+        pasted = config.parse_args([*base, *flags])
+        inert = {"kl_bias_correction"} if args.beta == 0 else set()  # no KL term to correct
+        for name in set(config.TRL_PRESET) - inert:
+            assert getattr(pasted, name) == getattr(args, name), name
+
+
+def test_an_error_in_a_value_the_preset_set_names_the_preset(tmp_path):
+    # --preset trl sets β = 0; --ref-update-every needs a π_ref: the error says the preset set it
+    argv = [*CPU, "--output-dir", str(tmp_path), "--preset", "trl", "--ref-update-every", "2"]
+    with pytest.raises(config.UserError) as stop:
+        config.parse_args(argv)
+    said = str(stop.value)
+    assert (
+        "there is no pi_ref" in said
+        and "(--preset trl (TRL 1.16 GRPOConfig's defaults) set: " in said
+    )
+    assert "--beta 0 " in said and "\n" not in said
 
 
 def test_a_run_with_the_preset_prints_its_line_first(tmp_path, monkeypatch, capsys):
