@@ -574,6 +574,9 @@ def resolve_decode(args):
     if args.decode == "auto":
         cuda = args.device == "cuda"
         args.decode = "graphs" if cuda and not (args.compile or generate_decodes) else "eager"
+        if cuda and generate_decodes and os.environ.get("RANK", "0") == "0":  # said once
+            why = "--fsdp" if args.fsdp else "--num-beams"
+            print(f"decode: eager, not CUDA graphs: with {why} transformers' generate() decodes")
     elif args.decode == "graphs" and (args.device != "cuda" or args.compile or generate_decodes):
         why = (
             "needs a CUDA device"
