@@ -43,19 +43,24 @@ class Parser(argparse.ArgumentParser):
 
     def hint(self, message):
         """For an unknown flag: the nearest one this parser takes ("--stpes": "--steps")."""
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        name = unknown_flag(message)
         flags = [f for f in self._option_string_actions if f.startswith("--")]
-        near = difflib.get_close_matches(unknown[1].split("=")[0], flags, 1) if unknown else []
+        near = difflib.get_close_matches(name, flags, 1) if name else []
         return f"; did you mean {near[0]}?" if near else ""
+
+
+def unknown_flag(message):
+    """The first flag argparse's "unrecognized arguments: ..." names (its name alone), or None."""
+    unknown = re.match(r"unrecognized arguments: (\S+)", message)
+    return unknown[1].split("=")[0] if unknown else None
 
 
 class ReferenceParser(Parser):
     """train.py's parser: an unknown flag that trainer.py takes is said to be trainer.py's."""
 
     def hint(self, message):
-        unknown = re.match(r"unrecognized arguments: (\S+)", message)
-        name = unknown[1].split("=")[0] if unknown else None
-        if name and name in build_parser()._option_string_actions:
+        name = unknown_flag(message)
+        if name and name in option_strings():
             return f"; {name} is trainer.py's: python trainer.py <the same flags> {name} ..."
         return super().hint(message)
 

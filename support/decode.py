@@ -370,7 +370,8 @@ class GraphStep:
 
     Its first call is the decode's first step, run eagerly (on a side stream, as capture wants:
     cuBLAS and the allocator set up outside it); then the same step is captured, reading its
-    token, mask and positions from buffers of its own and writing its logits into one. Every later
+    token and positions from buffers of its own (the mask, fixed for the call: its own) and writing
+    its logits into one. Every later
     call copies its inputs into those buffers and replays: the same kernels on the same KV cache,
     whose write position (StaticCache's cumulative_length) is a tensor the graph advances itself.
     Nothing of the step may read a value back to the CPU; transformers' static-cache decode does
@@ -383,14 +384,14 @@ class GraphStep:
 
     warned = False  # one warning per process for a failed capture
 
-    def __init__(self, net, dtype, graph=None):
+    def __init__(self, net, dtype):
         self.step = functools.partial(_decode_step, net, key=cache_keyword(net))
-        self.dtype, self.graph = dtype, graph
+        self.dtype, self.graph = dtype, None
         self.inputs = self.logits = None
 
     def __call__(self, token, mask, position, cache):
-        if self.logits is not None:  # captured: replay on this token
-            for buffer, value in zip(self.inputs, (token, mask, position)):
+        if self.logits is not None:  # captured: replay on this token (the mask never changes)
+            for buffer, value in zip(self.inputs, (token, position)):
                 buffer.copy_(value)
             self.graph.replay()
             return self.logits
@@ -399,9 +400,10 @@ class GraphStep:
         self.graph = self.graph or CudaGraph()
         with self.autocast(token.device):
             logits = self.graph.warm_up(lambda: self.step(token, mask, position, cache))
-            self.inputs = [x.clone() for x in (token, mask, position)]
+            self.inputs = [token.clone(), position.clone()]  # the mask: the call's own, fixed
             try:
-                self.logits = self.graph.capture(lambda: self.step(*self.inputs, cache), logits)
+                capture = lambda: self.step(self.inputs[0], mask, self.inputs[1], cache)  # noqa: E731
+                self.logits = self.graph.capture(capture, logits)
             except torch.OutOfMemoryError:  # the run's own paragraph, not a fallback
                 raise
             except Exception as e:  # noqa: BLE001 (whatever the capture refused: decode eagerly)

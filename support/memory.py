@@ -53,9 +53,7 @@ def phases(model, args, prompt_len, checkpointing, micro=None, max_new=None, lor
     amp = args.dtype in ("bf16", "fp16")
     width = 2 if amp else 4
     n = sum(p.numel() for p in model.parameters())
-    linear = sum(
-        p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
-    )
+    linear = sum(p.numel() for m in linear_modules(model) for p in m.parameters())
     lora = args.lora_rank if lora_rank is None else lora_rank
     L, h = c.num_hidden_layers, c.hidden_size
     mlp = getattr(c, "intermediate_size", 4 * h)

@@ -682,12 +682,13 @@ class ReplayGraph:
     the output buffer; every replay runs the captured step again on the buffers' current contents
     and writes the output in place. (On CUDA the test below runs torch.cuda.CUDAGraph itself.)"""
 
-    replays = 0
+    replays = captures = 0
 
     def warm_up(self, fn):
         return fn()
 
     def capture(self, fn, like):
+        ReplayGraph.captures += 1
         self.fn, self.out = fn, torch.empty_like(like)
         return self.out
 
@@ -735,6 +736,15 @@ def test_the_cuda_graph_decode_draws_the_eager_decodes_tokens(device, amp, monke
         assert len(forwards) == 3 and not decode.GraphStep.warned
 
 
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """--decode graphs on the CPU, through ReplayGraph (its counters from 0)."""
+    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
+    monkeypatch.setattr(decode, "CudaGraph", ReplayGraph)
+    monkeypatch.setattr(ReplayGraph, "captures", 0)
+    monkeypatch.setattr(ReplayGraph, "replays", 0)
+
+
 class FailingCapture(ReplayGraph):
     """A capture the device refuses (as CUDA refuses an op that reads a value back mid-capture)."""
 
@@ -743,25 +753,16 @@ class FailingCapture(ReplayGraph):
 
 
 @pytest.mark.parametrize("layers", [2, 8])
-def test_the_graph_decode_captures_one_graph_per_call_whatever_the_depth(layers, monkeypatch):
+def test_the_graph_decode_captures_one_graph_per_call_whatever_the_depth(layers, graphs_on_cpu):
     # One graph per decode call, at 2 layers as at 8: the capture records the whole step, every
     # layer's kernels in it, and nothing is compiled per layer (the whole-model compile costs ~22 s
     # per layer on the CPU, docs/gpu.md). Measured on the H100 at 24 layers: 0.05 s a call.
-    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
-    captures = []
-
-    class Counted(ReplayGraph):
-        def capture(self, fn, like):
-            captures.append(1)
-            return super().capture(fn, like)
-
-    monkeypatch.setattr(decode, "CudaGraph", Counted)
     model = demo.tiny_llama(97, 0, num_hidden_layers=layers).eval()
     ids, mask = left_padded_prompts([3, 5], 97)
     settings = sampling.Sampling(max_new_tokens=6, graphs=True)
     for call in range(3):
         decode.plain_decode(model, ids, mask, settings, 2, [-1], demo.PAD)
-        assert len(captures) == call + 1
+        assert ReplayGraph.captures == call + 1
 
 
 def test_a_capture_the_device_refuses_leaves_the_call_eager_with_one_warning(monkeypatch, capsys):
@@ -781,12 +782,10 @@ def test_a_capture_the_device_refuses_leaves_the_call_eager_with_one_warning(mon
     assert "operation not permitted when stream is capturing" in err  # said once, for 2 calls
 
 
-def test_the_graph_decode_of_a_lora_model_draws_the_eager_tokens(monkeypatch):
+def test_the_graph_decode_of_a_lora_model_draws_the_eager_tokens(graphs_on_cpu):
     # --lora-rank: the decode runs the base model with LoRA's layers in it; under bf16 autocast the
     # graphs' twin holds every Linear of it (the base layers and the adapters) in bf16.
     peft = pytest.importorskip("peft")
-    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
-    monkeypatch.setattr(decode, "CudaGraph", ReplayGraph)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     model = peft.get_peft_model(small_llama(), config).get_base_model().eval()
     with torch.no_grad():  # B = 0 at init: the adapters would change nothing
@@ -808,20 +807,13 @@ def test_the_graph_decode_of_a_lora_model_draws_the_eager_tokens(monkeypatch):
     assert not torch.equal(plain, outs[0])
 
 
-def test_a_sliding_window_model_decodes_eagerly_under_graphs_and_says_so(monkeypatch, capsys):
+def test_a_sliding_window_model_decodes_eagerly_under_graphs_and_says_so(
+    graphs_on_cpu, monkeypatch, capsys
+):
     # transformers' StaticSlidingWindowLayer picks its branch from a Python int that a replay would
     # not update (its write position would run past the window): such models stay eager
     from transformers import MistralConfig, MistralForCausalLM
 
-    monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: settings.graphs)
-    captures = []
-
-    class Counted(ReplayGraph):
-        def capture(self, fn, like):
-            captures.append(1)
-            return super().capture(fn, like)
-
-    monkeypatch.setattr(decode, "CudaGraph", Counted)
     monkeypatch.setattr(decode.GraphStep, "warned", False)
     config = MistralConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -836,5 +828,5 @@ def test_a_sliding_window_model_decodes_eagerly_under_graphs_and_says_so(monkeyp
         torch.manual_seed(2)
         settings = sampling.Sampling(max_new_tokens=12, graphs=graphs)  # 5 + 12 > the window
         outs.append(decode.plain_decode(model, ids, mask, settings, 2, [-1], demo.PAD))
-    assert torch.equal(outs[0], outs[1]) and captures == []
+    assert torch.equal(outs[0], outs[1]) and ReplayGraph.captures == 0
     assert "sliding-window layers" in capsys.readouterr().err
