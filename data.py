@@ -79,7 +79,8 @@ class Task:
         its other fields, G times each, each completion's token count (`completion_lengths`, from
         `lengths` [N]) and its number of tool calls (`tool_calls`, from `tool_calls` [N]; 0 each
         when the task has no tools). steps: a dict that receives a process reward's steps
-        (rewards.score). here: the functions called as train.py calls them (rewards.call_here)."""
+        (rewards.score). here: the functions called as train.py calls them (rewards.call_here);
+        a callable: the save of the last finished step, made at once on a signal during them."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None

@@ -31,6 +31,7 @@ pattern such as `[\\s\\D]*(\\d+)[\\s\\D]*`). Numbers are compared as decimal.Dec
 """
 
 import copy
+import functools
 import inspect
 import os
 import re
@@ -343,7 +344,7 @@ def score(reward_fns, completions, answers, steps=None, here=False, /, **columns
     "steps" is a column like any other)."""
     import torch
 
-    per_fn, call = {}, call_here if here else sandbox.call_reward
+    per_fn, call = {}, functools.partial(call_here, saver=here) if here else sandbox.call_reward
     for r in reward_fns:
         per_fn[r.name] = call(r, completions, answers, declared_columns(r.fn, columns))
         if isinstance(per_fn[r.name], sandbox.Steps):
@@ -374,21 +375,24 @@ def declared_columns(fn, columns):
     return {k: v for k, v in columns.items() if k not in first_two and (takes_all or k in params)}
 
 
-def call_here(r, completions, answers, columns):
-    """How train.py calls a reward function (score(..., here=True)): in this process, on its own
-    copies of the batch (as trainer.py's are), with no time limit (a second Ctrl-C stops one that
-    hangs, saved). trainer.py's sandbox.call_reward adds a time limit and a worker process: a
-    function that ends the process itself (os._exit) ends train.py with it, unsaved
-    (docs/reliability.md). What it raises or returns wrong is the same error as there: a
-    UserError naming the function (sandbox.as_rewards checks what is not one finite float32
-    number per completion, and turns a process reward's steps into sandbox.Steps)."""
+def call_here(r, completions, answers, columns, saver=None):
+    """How train.py calls a reward function (score(..., here=saver)): in this process, on its own
+    copies of the batch (as trainer.py's are), with no time limit. A signal during the call saves
+    the last finished step at once (`saver`, from the signal handler: signals.save_at_once), so a
+    function that hangs loses nothing, even one that swallows the signal. trainer.py's
+    sandbox.call_reward adds a time limit and a worker process: a function that ends the process
+    itself (os._exit) ends train.py with it, unsaved (docs/reliability.md). What it raises or
+    returns wrong is the same error as there: a UserError naming the function (sandbox.as_rewards
+    checks what is not one finite float32 number per completion, and turns a process reward's
+    steps into sandbox.Steps)."""
     import torch
 
+    from support.signals import STOPS  # here: the reward worker imports this file, not torch
+
+    STOPS.saver = saver if callable(saver) else None
     try:  # each function its own copies: what one does to its lists, the next does not see
         values = r.fn(*copy.deepcopy((completions, answers)), **copy.deepcopy(columns))
     except sandbox.NOT_REWARD_ERRORS as e:
-        from support.signals import STOPS  # here: the reward worker imports this file, not torch
-
         if type(e) is KeyboardInterrupt and STOPS.previous:  # a signal's stop is Stopped
             raise UserError(
                 f"reward function {r.name!r} raised KeyboardInterrupt itself (no Ctrl-C came: "
@@ -399,6 +403,8 @@ def call_here(r, completions, answers, columns):
     except BaseException as e:  # SystemExit too: a reward function does not end the run
         message = sandbox.exception_message(r.name, e, r.fn, completions, answers, columns)
         raise UserError(message) from None
+    finally:
+        STOPS.saver = None
     try:  # the common case, one finite number per completion: as as_rewards makes it, at once
         rewards = torch.as_tensor(values, dtype=torch.float32, device="cpu")
         fine = rewards.shape == (len(completions),) and bool(rewards.isfinite().all())
@@ -409,7 +415,7 @@ def call_here(r, completions, answers, columns):
 
 def imported_here(specs):
     """train.py's --reward-fn: [Reward] of weight 1 each, from a built-in name or MODULE:FUNCTION
-    imported from the working directory (called in this process, score(..., here=True);
+    imported from the working directory (called in this process, score(..., here=...);
     trainer.py's load_reward_fn runs them in a worker process with a time limit)."""
     named = [
         (spec, BUILT_IN_REWARDS[spec])

@@ -9,9 +9,8 @@
 Read it top to bottom beside the paper: the flags (Args), setup (π_θ, π_ref, AdamW, the schedule),
 train() with Algorithm 1's line numbers, one GRPO update, then the log, evaluation, saving and main.
 The math is grpo.py, generation and log-probs sampling.py, the rest (checkpoints, the output
-directory, signals, the evaluation) support/. Everything beyond the paper (tools, DAPO, GSPO, CISPO,
-SAPO, torchrun, trackers, reward models) is trainer.py, over the same modules;
-tests/test_reference.py holds the two to the same numbers.
+directory, signals, the evaluation) support/. Beyond the paper (tools, DAPO, GSPO, CISPO, SAPO,
+torchrun, trackers, reward models): trainer.py, held to the same numbers by tests/test_reference.py.
 """
 
 import argparse
@@ -139,13 +138,12 @@ def setup(args, flags):
         task = dataclasses.replace(task, rewards=rewards.imported_here(args.reward_fn))
     dtype = sampling.AUTOCAST_DTYPE[args.dtype]
     # 1: π_θ ← π_θinit; 3: π_ref ← π_θ (a frozen copy; LoRA: the same model, adapters off)
-    peft = None
     if args.lora_rank:
         adapter = resume_dir if start == checkpoint.MODEL_AND_ADAPTER else None
         peft = models.add_lora(model.to(args.device), flags, adapter)
         model, ref_model = peft.get_base_model(), peft if args.beta > 0 else None
     else:
-        fresh = start == checkpoint.FROM_MODEL
+        peft, fresh = None, start == checkpoint.FROM_MODEL
         ref_model = models.reference_model(model, args.beta, dtype, args.device, fresh)
     if start == checkpoint.MODEL_THEN_CHECKPOINT:  # π_ref came from --model; π_θ from here
         model = checkpoint.load_policy(resume_dir, model, flags)
@@ -205,7 +203,8 @@ def train(run, args):
             # a process reward's steps (§4.1.3): {name: [(end, reward), ...] for each o_i}
             steps = {}
             texts, lengths = rollouts.texts, rollouts.lengths
-            reward, per_fn = task.score(rows, texts, G, lengths, steps=steps, here=True)
+            redo = functools.partial(checkpoint.save_interrupted, run, run.flags, step, False, rng)
+            reward, per_fn = task.score(rows, texts, G, lengths, steps=steps, here=redo)
             mask = rollouts.completion_mask  # [N, C]: 1 on o_i's tokens up to and including EOS
             # 9: Â_{i,t} [N, C]. Outcome supervision: (r_i - mean(r)) / std(r) over o_i's group,
             # for every token t. Process supervision (§4.1.3), where a reward returned steps: the
@@ -261,7 +260,8 @@ def train(run, args):
                 raise Stopped(STOPS.signum, everywhere=True, saved=saved)
         except (KeyboardInterrupt, UserError) as e:  # a second Ctrl-C, a reward that raised
             updated = run.scheduler.last_epoch != updates_before  # then the step counts as done
-            rng = {**checkpoint.rng_state(), **rng}  # numpy's and Python's: as they are
+            if updated and updates and run.columns["step"][-1:] != [step + 1]:  # with its row
+                log_step(run, args, step + 1, rows, rollouts, reward, per_fn, updates, started)
             checkpoint.save_interrupted(run, run.flags, step, updated, rng, stopped_by=e)
             raise
         evaluate_if_due(run, args, step + 1)

@@ -66,7 +66,7 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
             evaluate_if_due(run, task, run.start_step)
         # 4: for step = 1, ..., M
         for step in range(run.start_step, args.steps):
-            with saved_if_stopped(run, step):
+            with saved_if_stopped(run, task, step):
                 with phases.phase("step", step + 1):
                     # 5: sample a batch D_b from D (under torchrun, this process's share of it).
                     batch = data.batch_at(task.train, s.prompts_per_step, s.seed, step)
@@ -98,11 +98,16 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     ref_logps = reference_logps(run, rollouts) if mu > 0 else None
                     # μ = 1: π_old = sg(π_θ), the ratio is exactly 1.
                     old_logps, updates = None, []
+                    run.step_log = (scored, updates, dynamic)  # logged if stopped after an update
                     # 10: for GRPO iteration = 1, ..., μ
                     for iteration in range(mu):
-                        # 11: update π_θ by maximizing eq. 3 (one AdamW step).
-                        stats, logps = run.policy_update(rollouts, advantages, old_logps, ref_logps)
-                        updates.append(count_nonfinite(run, stats))
+                        # 11: update π_θ by maximizing eq. 3 (one AdamW step). A second signal
+                        # stops after it, its statistics kept (signals.py: deferred).
+                        with STOPS.deferred():
+                            stats, logps = run.policy_update(
+                                rollouts, advantages, old_logps, ref_logps
+                            )
+                            updates.append(count_nonfinite(run, stats))
                         if old_logps is None and s.num_iterations > 1:
                             # Iteration 1 ran before any update: its log-probs are π_old's.
                             old_logps = logps
@@ -249,6 +254,8 @@ class Run:
     step_started: float = 0.0  # time.time() at the current step's start
     nonfinite_streak: int = 0  # updates skipped in a row for a non-finite loss or gradient
     zero_std_streak: int = 0  # steps in a row with no reward spread in any group
+    logged: int = 0  # the last step with its metrics row (log_step)
+    step_log: tuple = ()  # the current step's (scored, updates, dynamic), for log_step
 
     def policy_update(self, rollouts, advantages, old_logps, ref_logps):
         """Line 11 on this run's model, optimizer and settings."""
@@ -486,7 +493,7 @@ def count_nonfinite(run, stats):
 
 
 @contextlib.contextmanager
-def saved_if_stopped(run, step):
+def saved_if_stopped(run, task, step):
     """Ctrl-C, or a run that cannot go on (UserError), inside `step`: keep what it learned
     (checkpoint.save_interrupted), then let the exception go on."""
     run.step_started = time.time()
@@ -496,6 +503,8 @@ def saved_if_stopped(run, step):
     except (KeyboardInterrupt, UserError) as e:
         # the LR schedule steps with every applied update: whether this step changed the weights
         updated = run.scheduler.last_epoch != updates_at_start
+        if updated and run.logged < step + 1 and distributed.world() == 1:  # done: its row too
+            log_step(run, task, step + 1, *run.step_log)  # (the updates made), no gap on --resume
         checkpoint.save_interrupted(run, run.args, step, updated, rng_at_start, stopped_by=e)
         raise
 
@@ -525,6 +534,7 @@ def log_step(run, task, done, scored, updates, dynamic):
         )
     if distributed.is_main():  # one metrics.jsonl
         report.log_step(run.log, done, run.settings.steps, s.loss.beta, metrics, list(per_fn))
+    run.logged = done
     run.phases.step_logged(done, metrics)
     first = task.prompt(run.tokenizer, rows[0]["prompt"])
     responses = task.responses(rollouts.texts)[:G]  # the first group's G completions

@@ -361,6 +361,7 @@ def save_interrupted(run, args, step, updated, rng_at_start, stopped_by=None):
         # stands), or the other ranks are not there to save with
         return
     done = step + 1 if updated else step
+    rng_at_start = {**rng_state(), **rng_at_start}  # numpy's and Python's: as they are
     if getattr(stopped_by, "saved", False):
         print(f"\n{stopped_by}: step {done} is saved; exiting", file=sys.stderr, flush=True)
         return

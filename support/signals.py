@@ -1,13 +1,16 @@
 """Signals: what a run does when it is asked to stop.
 
 StopRequests   SIGINT (Ctrl-C), SIGTERM and SIGHUP during train(): the step finishes, is saved, and
-               the run exits with 128 + the signal's number (Stopped)
+               the run exits with 128 + the signal's number (Stopped); during train.py's reward
+               functions (in its own process), the last finished step is saved at once
 
 (What it does when it loses its reader, a dropped ssh session or `| head`: train.py's
 DevNullWhenReaderGone.)
 """
 
 import contextlib
+import io
+import os
 import signal
 import sys
 import threading
@@ -45,10 +48,13 @@ class StopRequests:
 
     def __init__(self):
         self.signum, self.immediate, self.previous, self.first_at = None, False, {}, 0.0
-        self.deferring, self.stop_deferred = False, None
+        self.deferring, self.stop_deferred = 0, None
+        # rewards.call_here's, while train.py's reward function runs: the save of the last finished
+        # step (save_at_once); and the signal that saved it, "saving" while it does
+        self.saver, self.saved_by = None, None
 
     def __enter__(self):
-        self.signum = None
+        self.signum, self.saved_by, self.deferring, self.stop_deferred = None, None, 0, None
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
         return self
@@ -57,9 +63,11 @@ class StopRequests:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
         # a request belongs to this run: train() called later, without handlers, starts clean
-        self.signum, self.previous = None, {}
+        self.signum, self.previous, self.saved_by = None, {}, None
 
     def handle(self, signum, frame):
+        if self.saver is not None:  # a reward function runs in this process (train.py)
+            return self.save_at_once(signum)
         again = self.signum is not None
         if self.immediate or (again and time.monotonic() - self.first_at > self.SAME_REQUEST_S):
             return self.stop(signum)
@@ -73,8 +81,51 @@ class StopRequests:
             flush=True,
         )
 
+    def save_at_once(self, signum):
+        """A signal while train.py calls a reward function in its own process (rewards.call_here
+        sets `saver`: the save of the last finished step, as this step has not updated yet). The
+        reward may never return (it hangs), so the step cannot be asked to finish:
+        - the first signal saves at once, from this handler, and stops the run (Stopped, saved; exit
+          128 + its number, 143 for SIGTERM). --resume redoes the step, exactly;
+        - a reward that catches that Stopped and goes on gets a second signal (after
+          SAME_REQUEST_S): the process exits at once (os._exit) with the first signal's code, the
+          save already on disk. One that catches it and returns finishes the step, which is saved
+          again at its end (the request stands).
+
+        What the handler touches, and why that is safe: Python runs it in the main thread between
+        two bytecodes of the reward function, so no code of the run runs beside it, and the reward
+        holds its own copies of the batch, not the model. The weights, AdamW and the schedule are
+        as the last finished step left them (the update comes after the rewards), and the saver
+        writes them with the code of every step's end (checkpoint.save_run: a new directory,
+        renamed into place, so a kill during the save leaves the last complete one). A signal during
+        the save waits for it. Its lines go through new streams on file descriptors 1 and 2: the
+        reward may have been inside a write to sys.stdout, which Python refuses to enter again.
+        What it cannot do: run while the reward is inside C code that never returns to Python; only
+        SIGKILL ends that, and trainer.py's reward worker (a process of its own) is the way out."""
+        if self.saved_by == "saving" or (
+            self.saved_by is not None and time.monotonic() - self.first_at <= self.SAME_REQUEST_S
+        ):
+            return  # the save finishes first; or the same request delivered twice
+        if self.saved_by is not None:  # the reward swallowed the first: saved, so end here
+            name = signal.Signals(signum).name
+            RawLines(2).write(f"\n{name}: the reward function did not stop; exiting, saved\n")
+            with contextlib.suppress(Exception):  # what the run printed before, where it can
+                sys.stdout.flush()
+            os._exit(128 + self.saved_by)
+        self.saved_by, self.first_at = "saving", time.monotonic()
+        # a request (a reward that returns ends its step); the first signal's code throughout
+        signum = self.signum = self.signum or signum
+        try:
+            with contextlib.redirect_stdout(RawLines(1)), contextlib.redirect_stderr(RawLines(2)):
+                self.saver(stopped_by=Stopped(signum, everywhere=True))
+        finally:
+            self.saved_by = signum  # saved, or the last complete checkpoint stands
+        raise Stopped(signum, everywhere=True, saved=True)
+
     def stop(self, signum):
-        """Stop at once: now, or at the end of a deferred() block."""
+        """Stop at once: now, or at the end of the outermost deferred() block. The exit code is the
+        first signal's (a SIGTERM, then a Ctrl-C: 143)."""
+        signum = self.signum or signum
         if self.deferring:
             self.stop_deferred = signum
         else:
@@ -82,14 +133,16 @@ class StopRequests:
 
     @contextlib.contextmanager
     def deferred(self):
-        """A stop at once waits for the end of this block (an optimizer update: weights, AdamW
-        and schedule)."""
-        self.deferring = True
+        """A stop at once waits for the end of this block: an optimizer update (weights, AdamW and
+        schedule), or trainer.py's whole GRPO iteration (the update and its statistics, so that a
+        step stopped after an update logs it: no gap in metrics.jsonl). Blocks nest."""
+        self.deferring += 1
         try:
             yield
         finally:
-            self.deferring, signum, self.stop_deferred = False, self.stop_deferred, None
-        if signum is not None:
+            self.deferring -= 1
+        if not self.deferring and self.stop_deferred is not None:
+            signum, self.stop_deferred = self.stop_deferred, None
             raise Stopped(signum)
 
     @contextlib.contextmanager
@@ -135,6 +188,23 @@ class StopRequests:
         """At a step's end: Stopped if a signal came on any rank (one all-reduce under torchrun)."""
         if distributed.all_sum([self.signum is not None])[0] > 0:
             raise Stopped(self.signum or signal.SIGTERM, everywhere=True, saved=saved)
+
+
+class RawLines(io.TextIOBase):
+    """Text written straight to a file descriptor, unbuffered: a signal handler's output, which
+    must not enter sys.stdout's buffer if the code it interrupted was inside it. A reader that is
+    gone (EPIPE, EIO) loses the text, not the save."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def write(self, text):
+        with contextlib.suppress(OSError):
+            os.write(self.fd, text.encode(errors="replace"))
+        return len(text)
+
+    def fileno(self):
+        return self.fd
 
 
 # The one StopRequests of the process. Global because a signal handler is: Python runs it in the

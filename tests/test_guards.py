@@ -225,7 +225,7 @@ def test_eval_only_resume_evaluates_the_checkpoint_not_the_initial_model(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "gap, code, saved_at", [(0.1, 143, 2), (1.3, 130, 1)], ids=["same", "second"]
+    "gap, code, saved_at", [(0.1, 143, 2), (1.3, 143, 1)], ids=["same", "second"]
 )
 def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_once(
     tmp_path, gap, code, saved_at
@@ -234,7 +234,8 @@ def test_a_second_signal_within_a_second_is_the_same_request_later_it_stops_at_o
     # twice (as Ctrl-C under torchrun is: the terminal's, then torchrun's forwarded copy), so step 2
     # finishes and is saved (143: the first signal's code). 1.3 s (beyond SAME_REQUEST_S = 1): a
     # second request, the run stops at once, inside the reward, before step 2's update: the
-    # checkpoint holds step 1 and --resume redoes step 2.
+    # checkpoint holds step 1 and --resume redoes step 2. Either way the exit code is the first
+    # signal's: the scheduler's SIGTERM, not the Ctrl-C that hurried it.
     calls = []
 
     def reward(completions, answers):
@@ -291,9 +292,54 @@ def test_a_second_signal_during_an_optimizer_update_waits_for_it_and_the_step_co
     with pytest.raises(signals.Stopped) as info:
         with signals.STOPS:
             run_tiny(tmp_path, "--steps", "4", "--save-every", "0", reward=reward)
-    assert info.value.exit_code == 130
+    assert info.value.exit_code == 143  # the first signal's (SIGTERM), not the Ctrl-C's
     state = torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)
     assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # step 2 done: its row too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at_update", [5, 6, 7])
+def test_a_second_signal_after_an_update_of_mu_4_logs_the_step_saves_it_and_keeps_the_first_code(
+    tmp_path, monkeypatch, stop_at_update
+):
+    # μ = 4: SIGTERM in step 2's rewards (a request), then Ctrl-C inside step 2's update number
+    # stop_at_update - 4 (AdamW's step 5, 6 or 7 of the run). The update in progress finishes with
+    # its statistics, the rest of μ is skipped, and the step counts as done: its metrics row is
+    # written (before: rows 1, 3, 4 after --resume, a gap), the checkpoint holds it, and the exit
+    # code is SIGTERM's 143 (before: 130). --resume then continues with step 3: rows 1-4.
+    monkeypatch.setattr(signals.StopRequests, "SAME_REQUEST_S", 0.0)
+    real_build, steps = trainer.build_optimizer, []
+
+    def build(*a):
+        optimizer = real_build(*a)
+        real_step = optimizer.step
+
+        def step(self, *args, **kwargs):
+            steps.append(1)
+            if len(steps) == stop_at_update:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_step(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)
+        return optimizer
+
+    def reward(completions, answers):
+        if len(steps) == 4:  # step 2's rewards, after step 1's 4 updates
+            os.kill(os.getpid(), signal.SIGTERM)
+        return varied_reward(completions, answers)
+
+    monkeypatch.setattr(trainer, "build_optimizer", build)
+    argv = ["--steps", "4", "--save-every", "0", "--num-iterations", "4"]
+    with pytest.raises(signals.Stopped) as info:
+        with signals.STOPS:
+            run_tiny(tmp_path, *argv, reward=reward)
+    assert info.value.exit_code == 143
+    state = torch.load(tmp_path / "checkpoint" / "training_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["scheduler"]["last_epoch"] == stop_at_update
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    run_tiny(tmp_path, *argv, "--resume")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_a_signal_just_after_the_end_of_step_check_is_handled_at_the_next_step_end(
