@@ -56,6 +56,9 @@ class Task:
     # tools.Tools the completions may call mid-completion (tools.py), in training and evaluation;
     # None: none. The template's system prompt is what teaches the model their syntax.
     tools: object = None
+    # row -> the shortest completion that earns the row's whole reward in the format the prompt
+    # asks for: --max-new-tokens must hold it (check_budget). The generated tasks; None: unknown.
+    shortest_response: Callable | None = None
 
     def prompt(self, tokenizer, text):
         """The text the policy continues (Algorithm 1's q): the template around a row's prompt, then
@@ -93,6 +96,26 @@ class Task:
         columns["tool_calls"] = calls
         responses, answers = self.responses(completions), [row["answer"] for row in rows]
         return rewards.score(self.rewards, responses, answers, steps, here, **columns)
+
+
+def check_budget(task, tokenizer, args):
+    """UserError where --max-new-tokens cannot hold the task's shortest full-reward response
+    (task.shortest_response, then EOS) for its longest row: those completions would all be cut
+    and score 0, and the run would train on nothing, silently. Tasks without a known minimum
+    (yours, GSM8K's free-form working) pass, as do the task's rows under your --reward-fn."""
+    if task.shortest_response is None or not task.train or args.reward_fn:
+        return
+    max_new_tokens, name = args.max_new_tokens, f"--task {args.task}"
+    texts = sorted({task.shortest_response(row) for row in task.train})
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    need, longest = max((len(t) + 1, text) for t, text in zip(ids, texts, strict=True))
+    if max_new_tokens < need:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens} cannot hold an answer of {name}: its shortest "
+            f"response that earns the whole reward takes {need} tokens with EOS ({longest!r}), "
+            f"so every completion would be cut and score 0. Pass --max-new-tokens {need} or more "
+            "(the task's default leaves room for the working)."
+        )
 
 
 def field_names(rows):
@@ -353,6 +376,7 @@ def addition_task():
         extract_answer=rewards.last_number,
         train_from=generated,
         eval_from=f"{generated[:-1]}, pairs never trained on)",
+        shortest_response=lambda row: row["answer"],  # the sum alone: its last number
     )
 
 
@@ -433,9 +457,11 @@ def multiplication_task(with_tools, eval_rows=None):
         test, eval_from = eval_rows, "given (larger operands than the task's)"
     if with_tools:
         template, reward, extract = tool_prompt, rewards.model_answer_reward, rewards.model_answer
+        shortest = lambda row: f"<answer>{row['answer']}</answer>"  # noqa: E731 (the call: optional)
     else:
         template = functools.partial(chat_prompt, system_prompt="")
         reward, extract = rewards.last_number_reward, rewards.last_number
+        shortest = lambda row: row["answer"]  # noqa: E731
     return Task(
         train=train,
         eval=test,
@@ -444,6 +470,7 @@ def multiplication_task(with_tools, eval_rows=None):
         extract_answer=extract,
         train_from=generated,
         eval_from=eval_from,
+        shortest_response=shortest,
     )
 
 
@@ -505,7 +532,19 @@ def chain_task(process=True):
         extract_answer=rewards.last_number,
         train_from=generated,
         eval_from=f"{generated[:-1]}, questions never trained on)",
+        shortest_response=chain_response if process else lambda row: row["answer"],
     )
+
+
+def chain_response(row):
+    """--task chain's working as CHAIN_EXAMPLE shows it, for a row: one equation per line (each
+    checked by rewards.equation_steps), then the answer's sentence."""
+    terms, lines, total = [int(t) for t in re.findall(r"\d+", row["prompt"])], [], None
+    for t in terms:
+        if total is not None:
+            lines.append(f"{total} + {t} = {total + t}")
+        total = t if total is None else total + t
+    return "\n".join([*lines, f"The answer is {total}."])
 
 
 def task_from_flags(args):

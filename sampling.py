@@ -12,6 +12,7 @@ top-k / top-p survivors) is support/decode.py.
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -115,8 +116,25 @@ def sample_groups(model, tokenizer, prompts, settings, group_size, autocast_dtyp
     sequences = torch.cat([prompt_ids.repeat_interleave(G, 0), completions], 1)  # [B*G, P + C]
     attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), mask], 1)  # [B*G, P + C]
     truncated = ~torch.isin(completions, torch.tensor(eos, device=device)).any(1)  # no EOS
+    if truncated.all():
+        warn_all_cut(settings.max_new_tokens)
     texts = completion_texts(tokenizer, completions, mask)
     return Rollouts(sequences, attention_mask, mask, texts, G, settings.temperature, truncated)
+
+
+@functools.cache
+def warn_all_cut(max_new_tokens):
+    """One line on stderr (once per budget in a process) when every completion of a training step
+    was cut at --max-new-tokens before its EOS: the rewards read cut answers, which in most tasks
+    score 0, so the run learns nothing and says nothing else (train.py's sample_groups, trainer.py's
+    log_step)."""
+    print(
+        f"warning: every completion of this step was cut at --max-new-tokens {max_new_tokens} "
+        "(none ended): the rewards score cut answers. Raise --max-new-tokens if the task's "
+        "answers need more (this warning is shown once).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def sample_rollouts(

@@ -134,6 +134,7 @@ def setup(args, flags):
         rewards.check_own_task_rewards(flags, task)  # your rows, GSM8K's rewards: numbers only
         name = resume_dir if start == checkpoint.FROM_CHECKPOINT else args.model
         model, tokenizer = models.load_model(name, check_config=fits)
+        data.check_budget(task, tokenizer, flags)  # --max-new-tokens holds the task's answer
     if args.reward_fn:  # your functions in place of the task's (rewards.imported_here)
         task = dataclasses.replace(task, rewards=rewards.imported_here(args.reward_fn))
     dtype = sampling.AUTOCAST_DTYPE[args.dtype]
@@ -345,8 +346,7 @@ def write_row(run, row):
 def eval_due(run, args, step):
     """Before training, every --eval-every steps, after the last step; --eval-every -1: never."""
     periodic = args.eval_every > 0 and step % args.eval_every == 0
-    ends = step in (0, args.steps)
-    return args.eval_every >= 0 and len(run.task.eval) > 0 and (ends or periodic)
+    return args.eval_every >= 0 and len(run.task.eval) > 0 and (step in (0, args.steps) or periodic)
 
 
 def evaluate_if_due(run, args, step):

@@ -41,7 +41,7 @@ import sampling
 import tools
 from sampling import frozen_logps, micro_batch_inputs, micro_batches
 from support import checkpoint, decode, demo, distributed, memory, models, report, rundir
-from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError
+from support.errors import NonFiniteWeights, RewardFailedSomewhere, UserError, WriteFailed
 from support.phases import NO_PHASES
 from support.signals import STOPS
 from support.worker import Worker
@@ -503,8 +503,12 @@ def saved_if_stopped(run, task, step):
     except (KeyboardInterrupt, UserError) as e:
         # the LR schedule steps with every applied update: whether this step changed the weights
         updated = run.scheduler.last_epoch != updates_at_start
-        if updated and run.logged < step + 1 and distributed.world() == 1:  # done: its row too
-            log_step(run, task, step + 1, *run.step_log)  # (the updates made), no gap on --resume
+        # a step that updated counts as done, saved with its row (the updates made): no gap in
+        # metrics.jsonl on --resume. Not where nothing is saved: a failed write, NaN weights, or
+        # one rank stopping alone (checkpoint.save_interrupted)
+        saved = not isinstance(e, WriteFailed) and distributed.world() == 1
+        if updated and run.logged < step + 1 and saved:
+            log_step(run, task, step + 1, *run.step_log)
         checkpoint.save_interrupted(run, run.args, step, updated, rng_at_start, stopped_by=e)
         raise
 
@@ -534,6 +538,8 @@ def log_step(run, task, done, scored, updates, dynamic):
         )
     if distributed.is_main():  # one metrics.jsonl
         report.log_step(run.log, done, run.settings.steps, s.loss.beta, metrics, list(per_fn))
+        if metrics["frac_truncated"] == 1:
+            sampling.warn_all_cut(s.sampling.max_new_tokens)
     run.logged = done
     run.phases.step_logged(done, metrics)
     first = task.prompt(run.tokenizer, rows[0]["prompt"])
@@ -933,6 +939,7 @@ def setup(args, resume_dir=None):
     from_checkpoint = checkpoint.starting_weights(args, resume_dir) == checkpoint.FROM_CHECKPOINT
     name = resume_dir if from_checkpoint else args.model
     model, tokenizer = models.load_model(name, args.trust_remote_code, check_config=fits)
+    data.check_budget(task, tokenizer, args)  # --max-new-tokens holds the task's answer
     return task, model, tokenizer
 
 

@@ -17,9 +17,18 @@ import rewards
 import sampling
 import trainer
 from data import SYSTEM_PROMPT, batch_at, build_prompt, load_gsm8k
-from helpers import CPU, own_task_argv, read_metrics, tiny_argv, write_gsm8k, write_rows
+from helpers import (
+    CPU,
+    own_task_argv,
+    read_metrics,
+    tiny_argv,
+    tiny_model_dir,
+    write_gsm8k,
+    write_rows,
+)
 from rewards import format_reward
 from support import demo
+from support.errors import UserError
 
 
 def gsm8k_line(question: str, answer: str) -> str:
@@ -570,3 +579,87 @@ def test_your_own_task_without_reward_fn_is_refused_unless_every_answer_is_a_num
     assert capsys.readouterr().out.startswith(
         "no --reward-fn: your task is scored with GSM8K's rewards, correctness"
     )
+
+
+class CharTokenizer:
+    """One token per character: the budget arithmetic below by hand."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [list(text) for text in texts]}
+
+
+@pytest.mark.parametrize(
+    "flags, need, longest",
+    [
+        # the sums of [10, 49]: 2 digits at most (49 + 49 = 98), and EOS
+        (["--task", "addition"], 3, None),
+        # 999 x 99 = 98901: 5 digits, and EOS
+        (["--task", "multiplication"], 6, None),
+        # "<answer>" 8 + 5 digits + "</answer>" 9, and EOS; the calculator's call is optional
+        (["--task", "multiplication", "--tool", "calculator"], 23, None),
+        # "14 + 25 = 39" 12, "\n", "39 + 31 = 70" 12, "\n", "The answer is 70." 17: 43, and EOS
+        (["--task", "chain"], 44, "The answer is"),
+    ],
+    ids=["addition", "multiplication", "multiplication-tools", "chain"],
+)
+def test_a_budget_that_cannot_hold_the_tasks_answer_is_refused_in_one_line(flags, need, longest):
+    # --max-new-tokens 4 on --task chain cut every completion, and every reward scored 0, silently
+    # (issue 54). The shortest response earning the whole reward, in the format the prompt asks
+    # for, and EOS, must fit: one token fewer is refused, naming the need; exactly it passes.
+    args = config.parse_args([*flags, "--device", "cpu", "--output-dir", "x"])
+    task, tokenizer = data.task_from_flags(args), CharTokenizer()
+    args.max_new_tokens = need - 1
+    with pytest.raises(
+        UserError, match=f"--max-new-tokens {need - 1} cannot hold an answer of"
+    ) as e:
+        data.check_budget(task, tokenizer, args)
+    assert f"takes {need} tokens with EOS" in str(e.value) and "\n" not in str(e.value)
+    if longest is not None:  # the working it names
+        assert longest in str(e.value)
+    args.max_new_tokens = need
+    data.check_budget(task, tokenizer, args)
+    args.max_new_tokens, args.reward_fn = 1, ["my:own"]  # your rewards decide what fits
+    data.check_budget(task, tokenizer, args)
+
+
+def test_your_own_task_and_gsm8k_have_no_known_minimum_budget(tmp_path):
+    path = write_gsm8k(tmp_path / "train.jsonl")
+    args = config.parse_args(["--data", path, "--device", "cpu", "--output-dir", "x"])
+    args.max_new_tokens, args.eval_every = 1, -1
+    task = data.task_from_flags(args)
+    assert task.shortest_response is None
+    data.check_budget(task, CharTokenizer(), args)
+
+
+@pytest.mark.parametrize("entry", ["train", "trainer"])
+def test_both_entry_points_refuse_chain_at_4_new_tokens_before_training(tmp_path, capsys, entry):
+    # The issue's case, on the tiny model's tokenizer (its working takes 14 tokens, and EOS)
+    import train
+
+    module = train if entry == "train" else trainer
+    argv = [*CPU, "--model", tiny_model_dir(tmp_path), "--task", "chain", "--max-new-tokens", "4"]
+    capsys.readouterr()  # the model directory's writing
+    with pytest.raises(SystemExit) as stop:
+        module.main([*argv, "--steps", "1", "--output-dir", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the weights' progress bar
+    assert line.startswith("error: --max-new-tokens 4 cannot hold an answer of --task chain")
+    assert "takes 15 tokens with EOS" in line  # one line, the need named
+    assert not (tmp_path / "out").exists()  # refused before the run's directory
+
+
+@pytest.mark.parametrize("entry", ["train", "trainer"])
+def test_a_step_whose_completions_are_all_cut_warns_once(tmp_path, capsys, entry):
+    # The demo at one new token: in steps 3 and 4 no completion reaches EOS (its answers take 2
+    # or more), so every reward reads a cut answer. One warning for the run, not one a step; and
+    # none for steps 1 and 2, where one completion of 128 ended.
+    import train
+
+    sampling.warn_all_cut.cache_clear()
+    module = train if entry == "train" else trainer
+    argv = [*CPU, "--demo", "--steps", "4", "--max-new-tokens", "1", "--eval-every", "-1"]
+    module.main([*argv, "--output-dir", str(tmp_path)])
+    cut = [r["frac_truncated"] for r in read_metrics(tmp_path)]
+    assert cut == [127 / 128, 127 / 128, 1.0, 1.0]  # one of 128 ends at once in steps 1 and 2
+    err = capsys.readouterr().err
+    assert err.count("warning: every completion of this step was cut at --max-new-tokens 1") == 1
