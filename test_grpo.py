@@ -1,7 +1,9 @@
 """Tests: every worked example of the GRPO math in grpo.py: the surrogate, clipping, dual clip, k3,
 the first step, advantages, aggregation, GSPO, process supervision, completion_mask and degenerate
 inputs of the loss; then the functions beyond eq. 3 (CISPO, SAPO, the entropy and off-policy masks,
-the sampler weights), alone and composed with grpo_loss as trainer.py composes them.
+the sampler weights), alone and composed with grpo_loss as trainer.py composes them; then DPPO's
+mask and policy term, GDPO's and RLOO's advantages, and the KL estimators (k2 and k3 in the loss,
+k1 in the reward), each with its worked numbers in its docstring.
 
 Self-contained: it needs torch, pytest and grpo.py alone, so the pair can be copied into another
 project and run there (python -m pytest -q test_grpo.py). The rest of the suite is in tests/ (python
@@ -17,14 +19,20 @@ import pytest
 import torch
 
 from grpo import (
+    bernoulli_kl,
     cispo_objective,
     completion_mask,
+    dppo_mask,
+    dppo_objective,
+    gdpo_advantages,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    kl_penalty_rewards,
     loss_denominator,
     off_policy_mask,
     process_advantages,
+    rloo_advantages,
     sampler_mismatch,
     sampler_weights,
     sapo_objective,
@@ -859,3 +867,355 @@ def test_off_policy_mask_entropy_mask_and_sampler_weights_multiply_the_policy_te
     assert value == pytest.approx(0.1375, abs=TOL)
     expected = torch.tensor([[0.0, 0.5 * 1.1 / 4], [0.0, 0.0]], dtype=torch.float64)
     assert torch.allclose(grad, expected, atol=TOL)
+
+
+# ---------------------------------------------------------------- DPPO: a trust region on the
+# sampled token's probability p against the behaviour policy's b, in place of the ratio clip
+def probabilities(values):
+    return torch.log(torch.tensor(values, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "divergence, delta, p, advantage, kept",
+    [
+        ("tv", 0.2, 0.8, 1.0, 0.0),  # p - b = 0.3 > 0.2, pushed further up: dropped
+        ("tv", 0.2, 0.8, -1.0, 1.0),  # the update lowers p, back towards b: kept
+        ("tv", 0.2, 0.2, -1.0, 0.0),  # b - p = 0.3 > 0.2, pushed further down: dropped
+        ("tv", 0.2, 0.2, 1.0, 1.0),
+        ("tv", 0.2, 0.6, 1.0, 1.0),  # |p - b| = 0.1: inside either way
+        ("tv", 0.2, 0.6, -1.0, 1.0),
+        ("kl", 0.05, 0.8, 1.0, 0.0),  # D = 0.223144 > 0.05 and p > b
+        ("kl", 0.05, 0.8, -1.0, 1.0),
+        ("kl", 0.05, 0.2, -1.0, 0.0),  # D = 0.223144 > 0.05 and p < b
+        ("kl", 0.05, 0.2, 1.0, 1.0),
+        ("kl", 0.05, 0.6, 1.0, 1.0),  # D = 0.020411 < 0.05
+        ("kl", 0.05, 0.4, -1.0, 1.0),  # D = 0.020411 too (b = 0.5 is the midpoint)
+    ],
+)
+def test_dppo_mask_each_branch_at_b_0_5(divergence, delta, p, advantage, kept):
+    """b = 0.5. Binary TV is |p - b|: 0.3 at p = 0.8 and 0.2, 0.1 at 0.6 and 0.4. Binary KL is
+    D = b ln(b/p) + (1-b) ln((1-b)/(1-p)): at p = 0.8, 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.5 ln
+    1.5625 = 0.223144, the same at p = 0.2 (the two terms swap); at p = 0.6, 0.5 ln(0.25/0.24) =
+    0.020411, the same at 0.4. δ_low = δ_high = δ. A token is dropped only where Â pushes it further
+    out of the region. Â = 0 is never dropped (its policy term is 0 anyway)."""
+    logps, behavior = probabilities([[p]]), probabilities([[0.5]])
+    adv = torch.tensor([advantage], dtype=torch.float64)
+    got = dppo_mask(adv, logps, behavior, torch.ones(1, 1), delta, delta, divergence)
+    assert got.tolist() == [[kept]] and got.dtype == torch.float64 and not got.requires_grad
+    assert dppo_mask(adv * 0, logps, behavior, torch.ones(1, 1), delta, delta, divergence).item()
+
+
+def test_bernoulli_kl_at_b_0_5_p_0_8_is_0_223144_and_its_edges():
+    """0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.5 ln 1.5625 = 0.223144; b = 0.01, p = 0.1: 0.01 ln 0.1
+    + 0.99 ln(0.99/0.9) = -0.023026 + 0.094357 = 0.071331; b = 0.99, p = 0.8: 0.99 ln(0.99/0.8) +
+    0.01 ln(0.01/0.2) = 0.210962 - 0.029957 = 0.181005. b = p = 1: both terms 0 (no 0 · inf); b =
+    1, p = 0.5: ln 2; b = 0, p = 0.5: ln 2; b = 0.5, p = 1: inf (the other outcome lost)."""
+    b = probabilities([0.5, 0.01, 0.99, 1.0, 1.0, 0.0, 0.5])
+    p = probabilities([0.8, 0.1, 0.8, 1.0, 0.5, 0.5, 1.0])
+    got = bernoulli_kl(b, p).tolist()
+    assert got[:6] == pytest.approx(
+        [0.223144, 0.071331, 0.181005, 0.0, 0.693147, 0.693147], abs=TOL
+    )
+    assert got[6] == math.inf
+
+
+def test_dppo_mask_judges_probabilities_where_the_ratio_clip_judges_their_ratio():
+    """A rare token b = 0.01 -> p = 0.03 under Â > 0: the ratio 3 is far past eq. 3's clip (no
+    gradient), the TV 0.02 is inside δ = 0.15: kept. A likely token b = 0.99 -> p = 0.8 under Â < 0:
+    the ratio 0.808 is inside [0.8, 1.2] (eq. 3 keeps its gradient), the TV 0.19 > 0.15: dropped.
+    Binary KL at δ = 0.05 on b = 0.01 -> p = 0.1 (TV 0.09, kept at 0.15): D = 0.071331 > 0.05,
+    dropped."""
+    logps, behavior = probabilities([[0.03, 0.8]]), probabilities([[0.01, 0.99]])
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    assert dppo_mask(adv, logps, behavior, torch.ones(1, 2), 0.15, 0.15).tolist() == [[1.0, 0.0]]
+    logps, behavior = probabilities([[0.1]]), probabilities([[0.01]])
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    assert dppo_mask(adv, logps, behavior, torch.ones(1, 1), 0.15, 0.15).item() == 1.0
+    assert dppo_mask(adv, logps, behavior, torch.ones(1, 1), 0.05, 0.05, "kl").item() == 0.0
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_at_mu_1_without_sampler_log_probs_drops_nothing(divergence):
+    """At μ = 1 with π_old = π_θ as the behaviour policy, b = p on every token: |p - b| = 0 and D =
+    0, never above any δ, whatever Â. Masked tokens are 0 in the mask (out of the loss anyway)."""
+    torch.manual_seed(0)
+    logps = -torch.rand(4, 6) * 5
+    mask = torch.ones(4, 6)
+    mask[1, 3:] = 0
+    adv = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    keep = dppo_mask(adv, logps, logps.detach(), mask, 0.0, 0.0, divergence)
+    assert torch.equal(keep, mask)
+
+
+def test_dppo_objective_is_r_times_advantage_unclipped():
+    """J = r Â, dJ/dlog π = r Â: r = 1.5, Â = 1 gives (1.5, 1.5), where eq. 3 clips to 1.2 with no
+    gradient; r = 0.5, Â = -1 gives (-0.5, -0.5), where eq. 3 gives (1 - ε) Â = -0.8, no gradient;
+    inside the clip, r = 1.1, Â = 0.7, it is eq. 3's own (0.77, 0.77). No clip is ever reported."""
+    assert one_token_objective(1.5, 1.0, surrogate=dppo_objective) == pytest.approx(
+        (1.5, 1.5), abs=TOL
+    )
+    assert one_token_objective(0.5, -1.0, surrogate=dppo_objective) == pytest.approx(
+        (-0.5, -0.5), abs=TOL
+    )
+    assert one_token_objective(1.1, 0.7, surrogate=dppo_objective) == pytest.approx(
+        one_token_objective(1.1, 0.7), abs=TOL
+    )
+    assert one_token_objective(1.1, 0.7) == pytest.approx((0.77, 0.77), abs=TOL)
+    _, clipped = dppo_objective(torch.full((2, 3), 9.0), torch.ones(2, 1))
+    assert not clipped.any() and clipped.shape == (2, 3)
+
+
+def dppo_batch(surrogate):
+    """Two completions of three tokens, p = (0.8, 0.6, 0.25) each, π_old = b = 0.5 on every token
+    (μ > 1, π_old the behaviour policy), Â = (+1, -1), binary TV with δ = 0.2, DAPO's aggregation
+    (over 6 tokens), β = 0. Returns (the mask, loss, d loss/dlog π_θ)."""
+    logps = probabilities([[0.8, 0.6, 0.25]] * 2).requires_grad_()
+    old = probabilities([[0.5] * 3] * 2)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 3)
+    keep = dppo_mask(adv, logps, old, mask, 0.2, 0.2)
+    loss = grpo_loss(
+        logps, old, None, adv, mask, beta=0.0, loss_type="dapo", surrogate=surrogate, weights=keep
+    )
+    loss.backward()
+    return keep, loss.item(), logps.grad
+
+
+def test_dppo_in_grpo_loss_keeps_r_times_advantage_on_the_kept_tokens_only():
+    """r = p / 0.5 = (1.6, 1.2, 0.5). Â = +1: p - b = 0.3 > 0.2 drops token 0; Â = -1: b - p =
+    0.25 > 0.2 drops token 2. Kept terms: (0, 1.2, 0.5) and (-1.6, -1.2, 0): J = (1.7 - 2.8) / 6 =
+    -0.183333, loss 0.183333; d loss/dlog π = -r Â / 6 on the kept tokens: (0, -0.2, -0.083333) and
+    (0.266667, 0.2, 0)."""
+    keep, loss, grad = dppo_batch(dppo_objective)
+    assert keep.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    assert loss == pytest.approx(0.183333, abs=TOL)
+    expected = [[0.0, -0.2, -0.083333], [0.266667, 0.2, 0.0]]
+    assert grad.tolist()[0] == pytest.approx(expected[0], abs=TOL)
+    assert grad.tolist()[1] == pytest.approx(expected[1], abs=TOL)
+
+
+def test_dppo_verl_form_is_the_same_mask_with_cispo_capped_at_20_same_gradient_below_20():
+    """verl writes keep · sg(min(r, 20)) · Â · log π_θ: cispo_objective with ε_high = 19. Below
+    r = 20 its gradient is r Â, DPPO's; its value is sg(r) Â log p instead. Row 0: 1.2 ln 0.6 +
+    0.5 ln 0.25 = -0.612991 - 0.693147; row 1: -1.6 ln 0.8 - 1.2 ln 0.6 = 0.357030 + 0.612991;
+    J = -0.336117 / 6, loss 0.056020. At r = 30 the cap gives 20 Â where DPPO gives 30 Â."""
+    keep, loss, grad = dppo_batch(functools.partial(cispo_objective, epsilon_high=19.0))
+    assert torch.allclose(grad, dppo_batch(dppo_objective)[2], atol=1e-12)
+    assert loss == pytest.approx(0.056020, abs=TOL)
+    verl = functools.partial(cispo_objective, epsilon_high=19.0)
+    assert one_token_objective(30.0, 1.0, surrogate=verl)[1] == pytest.approx(20.0, abs=TOL)
+    assert one_token_objective(30.0, 1.0, surrogate=dppo_objective)[1] == pytest.approx(
+        30.0, abs=TOL
+    )
+
+
+def test_dppo_mask_refuses_an_unknown_divergence():
+    with pytest.raises(ValueError, match="divergence"):
+        dppo_mask(
+            torch.ones(1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2, "js"
+        )
+
+
+# ---------------------------------------------------------------- GDPO: each reward normalized in
+# its group, then summed with its weights, then normalized over the batch
+def test_gdpo_correctness_and_format_give_0_and_1_224745_where_sum_first_drowns_the_format():
+    """One group of 4, correctness (1, 1, 0, 0), format (0, 0.1, 0, 0.1), weights 1, eps = 0.
+    Correctness: mean 0.5, Bessel std sqrt(4 · 0.25 / 3) = 0.577350, z = ±0.5 / 0.577350 =
+    ±0.866025. Format: ±0.05 / 0.057735 = ±0.866025. Sum (0, 1.732051, -1.732051, 0): batch mean 0,
+    std sqrt(6 / 3) = 1.414214, Â = (0, 1.224745, -1.224745, 0). Sum first, eq. 3's Â: the total
+    (1, 1.1, 0, 0.1) has mean 0.55, centered (0.45, 0.55, -0.55, -0.45), std sqrt(1.01 / 3) =
+    0.580230: (0.775555, 0.947900, -0.947900, -0.775555). The format's effect (completion 1 against
+    0, both correct) is 0.172345 there, correctness's (1 against 3, both formatted) 1.723455, ten
+    times more; in GDPO both are 1.224745."""
+    per_fn = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 0.0], [0.0, 0.1]])
+    got = gdpo_advantages(per_fn, [1.0, 1.0], 4, eps=0.0)
+    assert got.tolist() == pytest.approx([0.0, 1.224745, -1.224745, 0.0], abs=TOL)
+    assert got.dtype == torch.float32
+    summed = group_advantages(per_fn.sum(1), 4, eps=0.0)
+    assert summed.tolist() == pytest.approx([0.775555, 0.947900, -0.947900, -0.775555], abs=TOL)
+    assert (got[1] - got[0]).item() == pytest.approx((got[1] - got[3]).item(), abs=TOL)
+
+
+def test_gdpo_with_one_reward_is_group_advantages_then_batch_normalization():
+    """Groups (1, 0, 1, 0) and (1, 1, 1, 0), eps = 1e-4. group_advantages: ±0.5 / (0.577350 + 1e-4)
+    = ±0.865875, and (0.25, 0.25, 0.25, -0.75) / (0.5 + 1e-4) = (0.499900 × 3, -1.499700). Batch:
+    mean 0 (each group sums to 0), Bessel std sqrt((4 · 0.749740 + 3 · 0.249900 + 2.249100) / 7) =
+    0.925647; Â = z / (0.925647 + 1e-4): ±0.935326, 0.539996, -1.619988. Tolerance: gdpo keeps the
+    z-scores in float64, the reference rounds them to float32 first (6e-8 relative): abs 1e-6."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    z = group_advantages(rewards, 4).double()
+    reference = (z - z.mean()) / (z.std() + 1e-4)
+    got = gdpo_advantages(rewards[:, None], [1.0], 4)
+    assert got.tolist() == pytest.approx(reference.tolist(), abs=TOL)
+    expected = [0.935326, -0.935326] * 2 + [0.539996] * 3 + [-1.619988]
+    assert got.tolist() == pytest.approx(expected, abs=TOL)
+
+
+def test_gdpo_gives_equal_groups_0_and_refuses_weights_that_do_not_match_the_columns():
+    """Groups of 2. The first is equal on both functions: z = 0 on each, exactly. The second is
+    equal on its second function (z = 0) and (1, 0) on its first (z = ±0.707107), so s = (0, 0,
+    0.707107, -0.707107); its batch mean is 0 and the zeros stay exact."""
+    per_fn = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 5.0], [0.0, 5.0]])
+    got = gdpo_advantages(per_fn, [1.0, 3.0], 2)
+    assert got[:2].tolist() == [0.0, 0.0] and got[2] > 0 > got[3]
+    with pytest.raises(ValueError, match="one column per weight"):
+        gdpo_advantages(per_fn, [1.0], 2)
+    with pytest.raises(ValueError, match="one column per weight"):
+        gdpo_advantages(per_fn[:, 0], [1.0], 2)
+    with pytest.raises(ValueError, match="one column per weight"):
+        gdpo_advantages(per_fn[:, :0], [], 2)
+
+
+# ---------------------------------------------------------------- RLOO: r_i less the mean of the
+# other G - 1 rewards of its group
+def test_rloo_1_0_0_0_gives_1_and_minus_one_third_and_equal_rewards_0():
+    """(1, 0, 0, 0): 1 - (0 + 0 + 0) / 3 = 1, and 0 - (1 + 0 + 0) / 3 = -1/3 each; (3, 1, 2, 2): 3 -
+    5/3 = 4/3, 1 - 7/3 = -4/3, 2 - 2 = 0 twice; (0.1, 0.1, 0.1, 0.1): exactly 0."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1])
+    got = rloo_advantages(rewards, 4)
+    expected = [1.0, -1 / 3, -1 / 3, -1 / 3, 4 / 3, -4 / 3, 0.0, 0.0]
+    assert got[:8].tolist() == pytest.approx(expected, abs=TOL)
+    assert got[8:].tolist() == [0.0] * 4 and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 8])
+def test_rloo_is_the_group_mean_centered_reward_times_g_over_g_minus_1(group_size):
+    """r_i - Σ_{j≠i} r_j / (G-1) = (G r_i - Σ_j r_j) / (G-1) = G/(G-1) (r_i - mean). Checked
+    against the leave-one-out mean written out in float64, and against group_advantages(scale =
+    "none") × G/(G-1). Tolerance: each side rounds once to float32 (6e-8 relative) from the same
+    float64 values; rel 1e-6."""
+    torch.manual_seed(group_size)
+    rewards = torch.rand(4 * group_size) * 10 - 5
+    r = rewards.double().view(-1, group_size)
+    others = (r.sum(1, keepdim=True) - r) / (group_size - 1)  # the mean of the other G - 1
+    got = rloo_advantages(rewards, group_size)
+    assert torch.allclose(got.double(), (r - others).flatten(), rtol=1e-6, atol=1e-6)
+    centered = group_advantages(rewards, group_size, scale="none")
+    assert torch.allclose(got, centered * group_size / (group_size - 1), rtol=1e-6)
+
+
+def test_rloo_refuses_a_group_of_one():
+    with pytest.raises(ValueError, match="a group of one has no other reward to leave out"):
+        rloo_advantages(torch.tensor([1.0, 0.0]), 1)
+
+
+def test_gdpo_and_rloo_of_rewards_at_float32s_limit_are_finite():
+    """Rewards (3e38, -3e38, 3e38, -3e38) on two functions, weights (2, 0.5), groups of 2, as
+    tests/test_rewards.py feeds group_advantages. GDPO: in each group z = ±3e38 / (3e38 √2) =
+    ±0.707107 per function; s = ±2.5 · 0.707107 = ±1.767767; batch std sqrt(4 · 3.125 / 3) =
+    2.041241; Â = ±1.767767 / 2.041341 = ±0.865983. RLOO: 3e38 - (-3e38) = 6e38, beyond float32's
+    3.402823e38: it saturates there, its sign kept; so does group_advantages(scale="none") of the
+    float64 weighted total (±7.5e38, centered in groups of 2)."""
+    big = float(torch.tensor(3.0e38))  # exactly a float32
+    rewards = torch.tensor([big, -big, big, -big])
+    got = gdpo_advantages(torch.stack([rewards, rewards], 1), [2.0, 0.5], 2)
+    assert got.isfinite().all() and got.tolist() == pytest.approx(
+        [0.865983, -0.865983] * 2, abs=TOL
+    )
+    largest = torch.finfo(torch.float32).max
+    assert rloo_advantages(rewards, 2).tolist() == [largest, -largest] * 2
+    assert rloo_advantages(rewards, 4).isfinite().all()
+    total = rewards.double() * 2.5
+    assert group_advantages(total, 2, scale="none").tolist() == [largest, -largest] * 2
+
+
+# ---------------------------------------------------------------- the KL estimators (Schulman's
+# "Approximating KL Divergence") of x = log(π_θ/π_ref): k1 = x in the reward, k2 = x²/2 or k3 =
+# e^{-x} + x - 1 (eq. 4) in the loss
+@pytest.mark.parametrize(
+    "estimator, ratio, value, gradient",
+    [
+        ("k3", 0.5, 0.306853, -1.0),  # 2 - ln 2 - 1; d/dlog π_θ = 1 - π_ref/π_θ = 1 - 2
+        ("k3", 1.0, 0.0, 0.0),
+        ("k3", 2.0, 0.193147, 0.5),  # 0.5 + ln 2 - 1; 1 - 0.5
+        ("k2", 0.5, 0.240227, -0.693147),  # (ln 2)² / 2; d/dlog π_θ = x = -ln 2
+        ("k2", 1.0, 0.0, 0.0),
+        ("k2", 2.0, 0.240227, 0.693147),
+    ],
+)
+def test_kl_estimator_in_the_loss_value_and_gradient_at_ratio_0_5_1_2(
+    estimator, ratio, value, gradient
+):
+    """Â = 0 and β = 1 leave the KL term alone: loss = k(x) and d loss/dlog π_θ = k'(x), x =
+    log(π_θ/π_ref) = log ratio (π_ref = 1, π_θ = ratio)."""
+    logps = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    loss = grpo_loss(
+        logps, None, torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, 1), beta=1.0, kl_estimator=estimator,
+    )  # fmt: skip
+    loss.backward()
+    assert (loss.item(), logps.grad.item()) == pytest.approx((value, gradient), abs=TOL)
+
+
+@pytest.mark.parametrize("ratio, value", [(0.5, 1.069315), (1.0, 1.0), (2.0, 0.930685)])
+def test_k1_in_the_reward_at_ratio_0_5_1_2_is_r_minus_beta_x_and_as_a_loss_its_gradient_is_1(
+    ratio, value
+):
+    """Reward 1, β = 0.1: 1 - 0.1 · (-ln 2) = 1.069315, 1, 1 - 0.1 ln 2 = 0.930685. A reward
+    carries no gradient; k1 = x as a loss would have d/dlog π_θ = 1 at every x (0 in expectation:
+    the next test)."""
+    logps = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    ref = torch.zeros(1, 1, dtype=torch.float64)
+    got = kl_penalty_rewards(torch.ones(1), logps, ref, torch.ones(1, 1), 0.1)
+    assert got.item() == pytest.approx(value, abs=TOL) and not got.requires_grad
+    (logps - ref).sum().backward()  # k1 as a loss
+    assert logps.grad.item() == 1.0
+
+
+def test_kl_estimators_expected_gradients_on_a_two_token_policy():
+    """π_θ = softmax(θ) = (0.2, 0.8), π_ref = (0.5, 0.5): x = (ln 0.4, ln 1.6) = (-0.916291,
+    0.470004), KL(π_θ || π_ref) = 0.2 x_0 + 0.8 x_1 = 0.192745; its gradient in θ is π_y (x_y - KL):
+    (0.2 · -1.109036, 0.8 · 0.277259) = (-0.221807, 0.221807). Expected over y ~ π_θ of each
+    estimator's gradient as a loss, Σ_y π_y ∇k(y), with ∇log π_y = e_y - π:
+      k1 in the loss: Σ_y π_y (e_y - π) = 0: no KL at all;
+      k2 in the loss: Σ_y π_y x_y (e_y - π) = ∇KL(π_θ || π_ref) = (-0.221807, 0.221807);
+      k3 in the loss: Σ_y π_y (1 - π_ref/π_y)(e_y - π) = π - π_ref = (-0.3, 0.3), the gradient of
+        the forward KL(π_ref || π_θ);
+      k1 in the reward (β = 1, no baseline, μ = 1): the policy term's Â ∇log π with Â = -x_y,
+        loss gradient Σ_y π_y x_y (e_y - π) = ∇KL, as k2's.
+    Tolerance: float64 throughout, abs 1e-6 for the 6 quoted decimals."""
+    theta = torch.log(torch.tensor([0.2, 0.8], dtype=torch.float64)).requires_grad_()
+    pi = torch.softmax(theta, 0).detach()
+    ref = torch.log(torch.tensor([[0.5]], dtype=torch.float64))
+    one, zero = torch.ones(1, 1), torch.zeros(1, dtype=torch.float64)
+
+    def expected_gradient(loss_of):
+        total = torch.zeros(2, dtype=torch.float64)
+        for y in (0, 1):  # each token as one completion of one token, weighted by π_y
+            logps = torch.log_softmax(theta, 0)[y].view(1, 1)
+            total += pi[y] * torch.autograd.grad(loss_of(logps), theta)[0]
+        return total.tolist()
+
+    def in_loss(estimator):
+        return lambda logps: grpo_loss(logps, None, ref, zero, one, kl_estimator=estimator, beta=1)
+
+    def in_reward(logps):
+        adv = kl_penalty_rewards(torch.zeros(1), logps, ref, one, 1.0)  # -x_y
+        return grpo_loss(logps, None, None, adv, one, beta=0.0)
+
+    assert expected_gradient(lambda logps: (logps - ref).sum()) == pytest.approx([0, 0], abs=TOL)
+    reverse_kl = [-0.221807, 0.221807]
+    assert expected_gradient(in_loss("k2")) == pytest.approx(reverse_kl, abs=TOL)
+    assert expected_gradient(in_loss("k3")) == pytest.approx([-0.3, 0.3], abs=TOL)
+    assert expected_gradient(in_reward) == pytest.approx(reverse_kl, abs=TOL)
+
+
+def test_kl_penalty_rewards_sum_the_log_ratio_over_the_loss_tokens_only():
+    """Completion 0: tokens with π_θ/π_ref = (2, 0.5, 4), the last masked (after EOS): Σ x = ln 2 -
+    ln 2 = 0, reward 1 unchanged. Completion 1: (2, 2, 2), all in: 3 ln 2 = 2.079442; reward 0,
+    β = 0.5: -1.039721. float64, as rewards.score's total."""
+    logps = torch.log(torch.tensor([[2.0, 0.5, 4.0], [2.0, 2.0, 2.0]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    got = kl_penalty_rewards(torch.tensor([1.0, 0.0]), logps, torch.zeros(2, 3), mask, 0.5)
+    assert got.tolist() == pytest.approx([1.0, -1.039721], abs=TOL) and got.dtype == torch.float64
+
+
+def test_kl_estimator_k2_keeps_the_kl_stat_k3_and_k1_or_unknown_is_refused():
+    """The logged KL is Σ k3 whichever estimator the loss uses: at π_θ/π_ref = 2, 0.193147."""
+    logps = torch.full((1, 1), math.log(2.0), dtype=torch.float64)
+    ref, stats = torch.zeros(1, 1, dtype=torch.float64), {}
+    adv = torch.zeros(1, dtype=torch.float64)
+    grpo_loss(logps, None, ref, adv, torch.ones(1, 1), beta=1.0, kl_estimator="k2", stats=stats)
+    assert stats["kl"] == pytest.approx(0.193147, abs=TOL)
+    for estimator in ("k1", "k4"):
+        with pytest.raises(ValueError, match="k1 goes in the reward: kl_penalty_rewards"):
+            grpo_loss(logps, None, ref, adv, torch.ones(1, 1), kl_estimator=estimator)
