@@ -928,10 +928,9 @@ def check_launch_flags(args):
         raise UserError(
             "--fsdp shards the model over processes: start it with torchrun --nproc-per-node N."
         )
-    if args.fsdp and (args.resume or args.lora_rank):
+    if args.fsdp and args.lora_rank:
         raise UserError(
-            "--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
-            "state) nor train LoRA adapters; use DDP (no --fsdp) for those."
+            "--fsdp does not train LoRA adapters yet; use DDP (no --fsdp) for --lora-rank."
         )
     if args.plot is not None and not os.path.isfile(os.path.join(args.plot, "metrics.jsonl")):
         raise UserError(

@@ -336,7 +336,7 @@ def build_run(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
         torch.manual_seed(args.seed + 1000 * distributed.rank())
     step = 0
     if resume_dir is not None:
-        step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler, ref_model)
+        step = checkpoint.restore(resume_dir, args, optimizer, scheduler, scaler, ref_model, model)
         checkpoint.check_resumed_finite(model, optimizer, resume_dir)
     if args.compile:  # the compiled decode's shapes, fixed for the run: two graphs, two KV caches
         length = decode_length(task, tokenizer, model, s.sampling)

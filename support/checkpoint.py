@@ -2,10 +2,13 @@
 
 OUTPUT_DIR/checkpoint holds save_pretrained's model and tokenizer (AutoModelForCausalLM loads it)
 and training_state.pt: AdamW, the LR schedule (and fp16's loss scaler), the step, the RNG states
-and the flags. It is written into checkpoint.tmp, fsynced and renamed into place, after checking
-that the weights are finite. A run's data position needs no saving: the batch of step s is a pure
-function of the seed and s (data.batch_at); its evaluations are read back from metrics.jsonl. The
-output directory itself (one run in it, its lock) is rundir.py's.
+and the flags. Under --fsdp the weights are gathered whole onto rank 0 as ever, and AdamW's
+sharded state goes beside them into checkpoint/optimizer, each rank its own file, with
+torch.distributed.checkpoint (save_sharded, restore_sharded). It is written into checkpoint.tmp,
+fsynced and renamed into place, after checking that the weights are finite. A run's data position
+needs no saving: the batch of step s is a pure function of the seed and s (data.batch_at); its
+evaluations are read back from metrics.jsonl. The output directory itself (one run in it, its
+lock) is rundir.py's.
 """
 
 import json
@@ -107,14 +110,18 @@ def load_policy(resume_dir, model, args):
     )
 
 
-def restore(resume_dir, args, optimizer, scheduler, scaler, ref_model=None):
+def restore(resume_dir, args, optimizer, scheduler, scaler, ref_model=None, model=None):
     """A resumed run's AdamW state, LR schedule, fp16 loss scaler and this rank's RNG, after
     checking that its flags are the checkpoint's, and π_ref as the checkpoint holds it after a
-    reset (--ref-update-every; ref_model: the run's). Returns the step the checkpoint was saved
-    after."""
+    reset (--ref-update-every; ref_model: the run's). Under --fsdp, AdamW's shards are read from
+    the checkpoint's optimizer/ into `model`'s sharded optimizer (a collective). Returns the step
+    the checkpoint was saved after."""
     state = load_state(resume_dir)
     check_same_flags(state["args"], args)
-    optimizer.load_state_dict(state["optimizer"])
+    if args.fsdp:
+        restore_sharded(resume_dir, state, model, optimizer)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     schedule_for(scheduler, optimizer)
     if scaler is not None and state.get("scaler"):
@@ -136,6 +143,22 @@ def restore(resume_dir, args, optimizer, scheduler, scaler, ref_model=None):
             f"--steps N larger than {state['step']} to train further"
         )
     return state["step"]
+
+
+def restore_sharded(resume_dir, state, model, optimizer):
+    """FSDP2's AdamW state from `resume_dir`/optimizer (save_sharded), each rank its own shards. The
+    number of processes is the checkpoint's (check_same_flags refused another: the global batch and
+    each rank's RNG depend on it). A checkpoint saved under --fsdp before its AdamW state was kept
+    cannot continue exactly: a UserError."""
+    directory = os.path.join(resume_dir, state.get("sharded_optimizer") or SHARDED)
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise UserError(
+            f"--resume: {resume_dir} holds the weights of an --fsdp run but not its sharded AdamW "
+            f"state ({directory} is missing: it was saved by a version that did not keep it), so "
+            "the run cannot continue exactly. Start a new run from its weights (--model "
+            f"{resume_dir}) in another --output-dir."
+        )
+    distributed.load_sharded_optimizer(model, optimizer, directory)
 
 
 def schedule_for(scheduler, optimizer):
@@ -168,9 +191,15 @@ def check_resumed_finite(model, optimizer, resume_dir):
         f"{names.get(id(p), 'a parameter')} ({key})"
         for p, state in (optimizer.state.items() if optimizer is not None else ())
         for key, value in state.items()
-        if torch.is_tensor(value) and value.is_floating_point() and not value.isfinite().all()
+        if torch.is_tensor(value)
+        and value.is_floating_point()
+        and not local(value).isfinite().all()  # FSDP2: this rank's shard
     )
-    if not anywhere and not moments:
+    # FSDP2's moments are sharded: any rank's (every rank agrees, and stops alike)
+    moments_anywhere = (
+        distributed.all_sum([len(moments)])[0] > 0 if optimizer is not None else False
+    )
+    if not anywhere and not moments_anywhere:
         return
     what = (
         f"weights (NaN or inf in {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''})"
@@ -180,6 +209,8 @@ def check_resumed_finite(model, optimizer, resume_dir):
         else f"AdamW state (NaN or inf in {', '.join(moments[:3])}"
         + (" and others" if len(moments) > 3 else "")
         + ")"
+        if moments
+        else "AdamW state (NaN or inf on another rank)"
     )
     raise UserError(
         f"--resume: {resume_dir} holds non-finite {what}, so it is not used: training would stop "
@@ -268,7 +299,13 @@ def check_same_flags(saved, args):
     differ = differing_flags(saved, args)
     if differ:
         changes = "; ".join(
-            f"--{k.replace('_', '-')} was {saved[k]!r}, now {getattr(args, k)!r}" for k in differ
+            # world_size is no flag: torchrun's process count (the global batch, each rank's RNG
+            # and, under --fsdp, the sharding depend on it)
+            f"the number of processes (torchrun --nproc-per-node) was {saved[k]!r}, now "
+            f"{getattr(args, k)!r}"
+            if k == "world_size"
+            else f"--{k.replace('_', '-')} was {saved[k]!r}, now {getattr(args, k)!r}"
+            for k in differ
         )
         raise UserError(
             f"--resume: flags differ from the checkpoint's ({changes}). Pass them as they were to continue "
@@ -307,7 +344,9 @@ def save_run(run, args, step, rng, final=False):
     rngs = distributed.gather_objects(rng)
     state = dict(
         step=step,
-        optimizer=run.optimizer.state_dict(),
+        # FSDP2: AdamW's state is sharded; every rank writes its shards (save_sharded)
+        optimizer=None if args.fsdp else run.optimizer.state_dict(),
+        sharded_optimizer=SHARDED if args.fsdp else None,
         scheduler=run.scheduler.state_dict(),
         scaler=run.scaler.state_dict() if run.scaler is not None else None,
         rng=rng,
@@ -315,12 +354,12 @@ def save_run(run, args, step, rng, final=False):
         args=vars(args),
         reference=reference_state(run, args, step),
     )
-    # FSDP2: gathered onto rank 0
+    # FSDP2: the whole weights gathered onto rank 0 (from_pretrained loads them, and --resume)
     weights = distributed.full_state_dict(run.model) if args.fsdp else None
-    # the weights and AdamW are the same on every rank: rank 0 writes them
+    if args.fsdp:  # and AdamW's shards, by every rank, into checkpoint.tmp/optimizer
+        save_sharded(run, args.output_dir)
+    # the weights and AdamW are the same on every rank (FSDP2: gathered): rank 0 writes them
     if distributed.is_main():
-        if args.fsdp:  # AdamW's state is sharded too: the checkpoint holds the weights (--resume: not with --fsdp)
-            state["optimizer"] = None
         size, t0 = checkpoint_bytes(run.model), time.time()
         if (
             size > LARGE_SAVE_BYTES
@@ -334,9 +373,48 @@ def save_run(run, args, step, rng, final=False):
             run.peft,
             merge=final or step >= args.steps,
             weights=weights,
+            sharded=args.fsdp,
         )
         print(f"saved {path} (step {step}) in {time.time() - t0:.1f} s", flush=True)
     distributed.barrier()
+
+
+# Under FSDP2, the directory inside a checkpoint that holds AdamW's sharded state
+# (torch.distributed.checkpoint: a file per rank and .metadata); training_state.pt names it.
+SHARDED = "optimizer"
+
+
+def save_sharded(run, output_dir):
+    """FSDP2's AdamW state, each rank's shards, into checkpoint.tmp/optimizer (a collective, on
+    every rank): the first part of save's checkpoint.tmp, which rank 0 then completes and swaps in.
+    A failed write on any rank fails every rank alike (DCP gathers the errors): SaveFailed, tmp
+    removed, nothing replaced."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    tmp = os.path.join(output_dir, "checkpoint.tmp")
+    if distributed.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers
+    distributed.barrier()  # removed before any rank writes into it
+    try:
+        distributed.save_sharded_optimizer(run.model, run.optimizer, os.path.join(tmp, SHARDED))
+    except (CheckpointException, *WRITE_ERRORS) as e:  # raised on every rank, writes all ended
+        if distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        part = "AdamW's sharded state"
+        if isinstance(e, CheckpointException) and e.failures:  # the first rank's own error
+            rank, (e, _) = min(e.failures.items(), key=lambda item: item[0])
+            part += f", rank {rank}"
+        raise save_failed(tmp, part, e, output_dir) from None
+
+
+def save_failed(tmp, part, e, output_dir):
+    """The SaveFailed for a write into checkpoint.tmp (`part` of it) that failed with `e`."""
+    kept, resumable = last_checkpoint_in_words(output_dir)
+    return SaveFailed(
+        f"could not write a checkpoint into {tmp} ({part}): {failure(e)}. Nothing was replaced: "
+        f"{kept}. {free_space(output_dir)}Free space (or pass another --output-dir) and rerun with "
+        + ("--resume." if resumable else "--overwrite: there is no checkpoint to resume from.")
+    )
 
 
 LARGE_SAVE_BYTES = 1e9  # a save announces itself beforehand above this size
@@ -415,16 +493,28 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(cuda)
 
 
-def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=True, weights=None):
+def save(
+    output_dir,
+    model,
+    tokenizer,
+    training_state,
+    peft_model=None,
+    merge=True,
+    weights=None,
+    sharded=False,
+):
     """Write OUTPUT_DIR/checkpoint atomically: into checkpoint.tmp, fsynced, then swap it in with
     renames, so a crash or power loss at any moment leaves a complete checkpoint (the new one, or
     the previous one as checkpoint.old). With LoRA (peft_model) the adapter goes into
-    checkpoint/adapter, and the merged model beside it if `merge`. A write that fails (a full
-    disk: OSError from Python's own writes, RuntimeError from torch.save, SafetensorError from
-    safetensors) removes checkpoint.tmp and is a SaveFailed; nothing was replaced."""
+    checkpoint/adapter, and the merged model beside it if `merge`. `sharded` (FSDP2): every rank
+    has written AdamW's shards into checkpoint.tmp/optimizer already (save_sharded): kept, and
+    swapped in with the rest. A write that fails (a full disk: OSError from Python's own writes,
+    RuntimeError from torch.save, SafetensorError from safetensors) removes checkpoint.tmp and is a
+    SaveFailed; nothing was replaced."""
     final = os.path.join(output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not sharded:
+        shutil.rmtree(tmp, ignore_errors=True)
     part = "the adapter"  # what is being written, for the message when it fails
     try:
         if peft_model is not None:
@@ -441,15 +531,12 @@ def save(output_dir, model, tokenizer, training_state, peft_model=None, merge=Tr
         torch.save(training_state, os.path.join(tmp, "training_state.pt"))
         # on disk before the renames: a power loss cannot leave a renamed but empty file
         part = "fsync"
+        if sharded:  # DCP fsynced its files: their directory's entries too
+            fsync_tree(os.path.join(tmp, SHARDED), files=False)
         fsync_tree(tmp)
     except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        kept, resumable = last_checkpoint_in_words(output_dir)
-        raise SaveFailed(
-            f"could not write a checkpoint into {tmp} ({part}): {failure(e)}. Nothing was replaced: "
-            f"{kept}. {free_space(output_dir)}Free space (or pass another --output-dir) and rerun with "
-            + ("--resume." if resumable else "--overwrite: there is no checkpoint to resume from.")
-        ) from None
+        raise save_failed(tmp, part, e, output_dir) from None
     fault_injection_pause()
     if os.path.isdir(final):
         if os.path.isdir(old) and verify(final) is not None and verify(old) is None:
@@ -511,6 +598,11 @@ def nonfinite_weights(model, trainable_only=False):
         values = torch.stack([m.float().to(largest[0].device) for m in largest]).tolist()
         bad = [n for (n, _), v in zip(tensors, values) if not math.isfinite(v)]
     return bad, distributed.all_sum([len(bad)])[0] > 0
+
+
+def local(tensor):
+    """This rank's shard of a DTensor (FSDP2's parameters and AdamW moments), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def last_checkpoint_in_words(output_dir):
@@ -641,7 +733,8 @@ def verify(path):
     (torch.save's format) whose members lie within the file; each .safetensors file's header
     parses and the file is exactly as long as the header says; each .json file parses; and the
     weights are there (config.json and model.safetensors or its index's shards; with LoRA,
-    adapter/adapter_config.json and adapter/adapter_model.safetensors)."""
+    adapter/adapter_config.json and adapter/adapter_model.safetensors); under --fsdp, the files
+    of AdamW's sharded state are there and as long as their .metadata says (sharded_problem)."""
     adapter = os.path.join(path, "adapter")
     needed = ["training_state.pt"] + (
         ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
@@ -667,10 +760,39 @@ def verify(path):
                     continue
                 if problem:
                     return f"{prefix}{name} {problem}"
+        if os.path.isdir(os.path.join(path, SHARDED)):
+            problem = sharded_problem(os.path.join(path, SHARDED))
+            if problem:
+                return f"{SHARDED}/{problem}"
         if not os.path.isdir(adapter):
             return weights_problem(path)
     except OSError as e:  # a file removed or unreadable while we look
         return f"{e.filename}: {e.strerror}"
+    return None
+
+
+def sharded_problem(directory):
+    """What is wrong with a torch.distributed.checkpoint directory (FSDP2's AdamW state), or None:
+    its .metadata reads, and each file it names holds the bytes it says (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return ".metadata is missing (the save did not finish)"
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+        ends = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(
+                ends.get(info.relative_path, 0), info.offset + info.length
+            )
+    except Exception as e:  # a damaged pickle: any error its reading raises
+        return f".metadata is damaged ({type(e).__name__}: {str(e)[:200]})"
+    for name, end in sorted(ends.items()):
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing (.metadata names it)"
+        if os.path.getsize(file) < end:
+            return f"{name} is cut short ({os.path.getsize(file):,} bytes; .metadata says {end:,})"
     return None
 
 

@@ -8,7 +8,7 @@ scores and back-propagates them. What must be global is made global here: the re
 with batch-level std), the loss's normalizer (sequences, tokens or N·max_tokens over every rank),
 the logged metrics, and the RNG states of a checkpoint. DistributedDataParallel averages the
 gradients once per optimizer update (train.policy_update). Only rank 0 prints, writes metrics.jsonl
-and writes checkpoints.
+and writes checkpoints (under FSDP2 each rank also writes its shards of AdamW's state into them).
 """
 
 import atexit
@@ -84,6 +84,61 @@ def full_state_dict(model):
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+
+
+def save_sharded_optimizer(model, optimizer, directory):
+    """Under FSDP2, AdamW's state as the ranks hold it, each its own shards of the moments, written
+    into `directory` by torch.distributed.checkpoint (DCP): a file per rank and the .metadata that
+    maps them (rank 0 writes it after every rank has written and fsynced its file). A collective:
+    every rank calls it. Keys are the parameters' names, not their order. Before the first update
+    AdamW has no state, and only its param_groups are written: get_optimizer_state_dict would make
+    the state first (a step at learning rate 0 that counts 1), and the run would go on from it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if optimizer.state:
+        state = get_optimizer_state_dict(model, optimizer)
+    else:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        state = {"param_groups": groups}
+    dcp.save({"optimizer": state}, checkpoint_id=directory)
+
+
+def load_sharded_optimizer(model, optimizer, directory):
+    """AdamW's state from save_sharded_optimizer's `directory` into `optimizer` (a collective).
+    DCP reads into tensors laid out as this run shards them: get_optimizer_state_dict makes them
+    (on a fresh optimizer, by one step at learning rate 0 with zero gradients, which leaves the
+    weights unchanged bit for bit), dcp.load fills them, set_optimizer_state_dict puts them in
+    place with the saved step counts and param_groups. Only the entries the checkpoint holds are
+    asked for and put back: a checkpoint saved before the first update holds none, a parameter
+    that never had a gradient has none, and such a parameter starts without AdamW state, as it
+    would have in the run never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+    if not any(k.startswith("optimizer.state.") for k in saved):
+        # saved before the first update: no state, as in this fresh optimizer (whose param_groups
+        # are the run's; the schedule sets their learning rates)
+        return
+    # get_optimizer_state_dict makes AdamW's state only where no parameter holds a gradient (else
+    # it returns it empty, and nothing would load); none is needed before the first update
+    optimizer.zero_grad(set_to_none=True)
+    template = get_optimizer_state_dict(model, optimizer)
+    kept = {
+        name: {k: v for k, v in entries.items() if f"optimizer.state.{name}.{k}" in saved}
+        for name, entries in template["state"].items()
+    }
+    template["state"] = {name: entries for name, entries in kept.items() if entries}
+    state = {"optimizer": template}
+    dcp.load(state, checkpoint_id=directory)
+    # strict=False: a parameter the checkpoint holds no state for is left without (not refused)
+    options = StateDictOptions(strict=False)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
 def world():

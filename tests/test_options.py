@@ -328,7 +328,7 @@ def test_dynamic_sampling_runs_alone_and_is_refused_under_torchrun(tmp_path, mon
     )
 
 
-def test_fsdp_needs_torchrun_and_refuses_resume_and_lora(tmp_path, monkeypatch):
+def test_fsdp_needs_torchrun_and_refuses_lora_but_resumes(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     alone = "--fsdp shards the model over processes: start it with torchrun --nproc-per-node N."
     assert refusal(tiny_argv(tmp_path, "--fsdp")) == alone
@@ -337,11 +337,11 @@ def test_fsdp_needs_torchrun_and_refuses_resume_and_lora(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert config.parse_args(tiny_argv(tmp_path, "--fsdp")).fsdp
     assert config.parse_args(tiny_argv(tmp_path, "--resume", "--lora-rank", "4")).lora_rank == 4
-    for extra in (["--resume"], ["--lora-rank", "4"]):
-        assert refusal(tiny_argv(tmp_path, "--fsdp", *extra)) == (
-            "--fsdp cannot --resume yet (its checkpoints hold the weights, not the sharded AdamW "
-            "state) nor train LoRA adapters; use DDP (no --fsdp) for those."
-        )
+    # --resume reads FSDP2's sharded AdamW state (test_distributed.py's test_fsdp_*)
+    assert config.parse_args(tiny_argv(tmp_path, "--fsdp", "--resume")).resume
+    assert refusal(tiny_argv(tmp_path, "--fsdp", "--lora-rank", "4")) == (
+        "--fsdp does not train LoRA adapters yet; use DDP (no --fsdp) for --lora-rank."
+    )
 
 
 def test_plot_needs_a_directory_holding_metrics_jsonl(tmp_path):
