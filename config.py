@@ -76,14 +76,16 @@ def build_parser():
         "(SmolLM2-135M, SmolLM2-360M, SmolLM2-1.7B, with or without -Instruct; -> "
         "HuggingFaceTB/...)"
     )
-    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition", "multiplication", "chain"])(
+    flag(g, "--task", "gsm8k", choices=["gsm8k", "addition", "multiplication", "chain", "shop"])(
         "gsm8k: GSM8K (or your own JSONL with --prompt-field/--answer-field); addition: the "
         "built-in two-digit addition task (data.addition_rows: generated, no download; its "
         "defaults are ADDITION_DEFAULTS); multiplication: three-digit times two-digit numbers, "
         "the built-in task for --tool calculator (its system prompt shows the call; defaults: "
         "ADDITION_DEFAULTS); chain: sums of three numbers from 10 to 30 worked one equation per line, "
         "scored by the answer and each equation (process supervision; --reward-fn last-number: "
-        "the answer alone; defaults: ADDITION_DEFAULTS, CHAIN_DEFAULTS)"
+        "the answer alone; defaults: ADDITION_DEFAULTS, CHAIN_DEFAULTS); shop: the total price of a "
+        "basket, each row's prices held by its environment (--env support.shop:Shop): look up each "
+        "item, then add them up (defaults: ADDITION_DEFAULTS, SHOP_DEFAULTS)"
     )
     flag(g, "--data", None)(
         "train rows: a JSONL file, or a Hugging Face dataset as SOURCE[:CONFIG][@SPLIT] (a Hub id, "
@@ -168,14 +170,28 @@ def build_parser():
         "mu, optimizer updates per batch of samples; >1 keeps the first iteration's log-probs as "
         "pi_old's"
     )
-    flag(g, "--surrogate", "clip", choices=["clip", "cispo", "sapo"])(
+    flag(g, "--surrogate", "clip", choices=SURROGATES)(
         "the policy term per token: clip: min(r A, clip(r) A) (eq. 3); cispo: sg(min(r, "
         "1+eps_high)) A log pi (MiniMax-M1, arXiv 2506.13585; --epsilon unused: no lower bound); "
-        "sapo: sigmoid(tau (r-1)) 4/tau A (SAPO, arXiv 2511.20347; no clip). --loss-type still "
-        "sets the aggregation (TRL pairs cispo with dapo, sapo with grpo)"
+        "sapo: sigmoid(tau (r-1)) 4/tau A (SAPO, arXiv 2511.20347; no clip); dppo-tv, dppo-kl: r A "
+        "with no clip, on the tokens inside DPPO's trust region on the sampled token's probability "
+        "p against the behaviour policy's b (arXiv 2602.04879; binary TV |p - b|, or binary KL; "
+        "--dppo-delta-low/high; b: the sampler's log-probs, which the decode then keeps, else "
+        "pi_old's). --loss-type still sets the aggregation (TRL pairs cispo with dapo, sapo with "
+        "grpo)"
     )
     flag(g, "--sapo-tau-pos", 1.0, float)("--surrogate sapo: tau where the advantage is > 0")
     flag(g, "--sapo-tau-neg", 1.05, float)("--surrogate sapo: tau where the advantage is <= 0")
+    flag(g, "--dppo-delta-low", None, float)(
+        "--surrogate dppo-*: a token with negative advantage whose probability fell more than this "
+        "below the behaviour policy's (TV: b - p; KL: the binary KL, p < b) gets no policy term; "
+        "if not given, 0.15 (dppo-tv) or 0.05 (dppo-kl), verl's DPPO examples' (not --delta, the "
+        "dual clip)"
+    )
+    flag(g, "--dppo-delta-high", None, float)(
+        "--surrogate dppo-*: the same for a token with positive advantage whose probability rose "
+        "more than this (TV: p - b; KL: the binary KL, p > b); if not given, as --dppo-delta-low's"
+    )
     flag(g, "--top-entropy-quantile", 1.0, float)(
         "rho: the policy term only on the top rho of each micro-batch's tokens by entropy (Beyond "
         "the 80/20 Rule, arXiv 2506.01939, uses 0.2; ties with the threshold are kept); 1: off"
@@ -189,7 +205,20 @@ def build_parser():
     switch(g, "--kl-bias-correction", negatable=True)(
         "the KL term times the ratio r = pi_theta/pi_old, not detached: DeepSeek-V3.2's unbiased KL "
         "estimate (arXiv 2512.02556, eq. 7; TRL's use_bias_correction_kl, on there by default). "
-        "Changes the gradient whenever beta > 0, even at mu = 1 (r is 1, its gradient is not)"
+        "Changes the gradient whenever beta > 0, even at mu = 1 (r is 1, its gradient is not). "
+        "For k3 only (--kl-estimator)"
+    )
+    flag(g, "--kl-estimator", "k3", choices=["k2", "k3"])(
+        "the KL term's estimator per token, of x = log(pi_theta/pi_ref) (Schulman's "
+        "'Approximating KL Divergence'): k3 = exp(-x) + x - 1 (eq. 4; its gradient is the forward "
+        "KL's), k2 = x^2/2 (its gradient is the reverse KL's, KL(pi_theta || pi_ref)). The logged "
+        "kl stays k3's"
+    )
+    switch(g, "--kl-in-reward")(
+        "the KL as k1 in the reward instead of a term of the loss: each completion's reward minus "
+        "beta * sum_t log(pi_theta/pi_ref) over its tokens, before the group normalization (pi_theta: "
+        "a no-grad forward of the policy that sampled); the loss then has no KL term. Logged: kl "
+        "(k3 per token, as the loss's) and kl_penalty (the mean beta * sum_t k1 subtracted)"
     )
     flag(
         g,
@@ -231,6 +260,13 @@ def build_parser():
     flag(g, "--reward-weights", None)(
         "comma-separated weights, in the order: reward functions, then reward models, then the "
         "overlong penalty; if not given, every weight is 1.0; total reward = weighted sum"
+    )
+    flag(g, "--multi-reward", "sum", choices=["sum", "gdpo"])(
+        "how several rewards make the advantage: sum: the weighted total, normalized in its group "
+        "(eq. 3's); gdpo: each reward normalized in its group first, then weighted, summed and "
+        "normalized over the whole batch (GDPO, arXiv 2601.05242; TRL's "
+        "multi_objective_aggregation='normalize_then_sum'). gdpo needs two rewards or more, each "
+        "one number per completion"
     )
     flag(g, "--overlong-buffer", 0, int)(
         "DAPO's soft overlong punishment as one more reward (rewards/overlong): 0 up to "
@@ -280,6 +316,18 @@ def build_parser():
     flag(g, "--max-tool-result-tokens", 64, int)(
         "a tool's result is cut to this many tokens (the whole completion, model and tool "
         "tokens, fits --max-new-tokens)"
+    )
+    flag(g, "--tool-format", "markers", choices=["markers", "hermes"])(
+        "how the model calls a tool: markers, <tool>NAME ARGS</tool> (ARGS a JSON object for a "
+        'typed tool) and <result>...</result> back; hermes, Qwen\'s <tool_call>{"name": NAME, '
+        '"arguments": {...}}</tool_call> and <tool_response>...</tool_response> back, the tools\' '
+        "JSON schemas rendered by the chat template (tools=) or into the system prompt"
+    )
+    flag(g, "--env", None, metavar="MODULE:CLASS")(
+        "an environment: one instance of CLASS per completion, built in the worker process and "
+        "reset(**the row's fields); its public typed methods are that completion's tools, and "
+        "the method its reward_method names, if any, is a reward logged under that name "
+        "(docs/tools.md)"
     )
 
     g = p.add_argument_group("optimization")
@@ -490,6 +538,11 @@ MULTIPLICATION_TOOL_DEFAULTS = dict(max_new_tokens=96)
 # tokenizer); 64 leave room for a longer working.
 CHAIN_DEFAULTS = dict(max_new_tokens=64)
 
+# --task shop: its environment, and room for a basket of three (SmolLM2's tokenizer: the worked
+# example's reply, two items, takes 73 tokens in the markers format and 137 in hermes, results
+# included; three items about 100 and 185). The same budget in both formats.
+SHOP_DEFAULTS = dict(env="support.shop:Shop", max_new_tokens=256, max_tool_calls=6)
+
 
 # --preset trl: TRL 1.16.0's GRPOConfig defaults (and the TrainingArguments fields it inherits, as
 # transformers 5 sets them), read from trl/trainer/grpo_config.py, each on the flag of ours that
@@ -532,14 +585,16 @@ def parse_args(argv=None):
     """Parse and check the flags, then fill in the run-time values (device, dtype, output dir)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    builtin = args.task in ("addition", "multiplication", "chain")
+    builtin = args.task in ("addition", "multiplication", "chain", "shop")
     defaults = DEMO_DEFAULTS if args.demo else ADDITION_DEFAULTS if builtin else {}
-    if args.demo and args.tool:
+    if args.demo and (args.tool or args.env):
         defaults = {**defaults, **DEMO_TOOL_DEFAULTS}
     elif args.task == "multiplication" and args.tool:
         defaults = {**defaults, **MULTIPLICATION_TOOL_DEFAULTS}
     elif args.task == "chain":
         defaults = {**defaults, **CHAIN_DEFAULTS}
+    elif args.task == "shop":
+        defaults = {**defaults, **SHOP_DEFAULTS}
     if args.preset is not None:  # over the task's defaults; a flag given still wins
         defaults = {**defaults, **PRESETS[args.preset]}
     if defaults:
@@ -651,6 +706,12 @@ MIN_REWARD_MEMORY_GB, MAX_REWARD_MEMORY_GB = 1.0, float(2**20)
 SAPO_TAU_MIN = 1e-6
 SAPO_TAU_VALUES = "> 0, at least 1e-6 (below it SAPO's 2/tau swamps float32's digits)"
 
+# --surrogate's policy terms (trainer.policy_term), and DPPO's thresholds where
+# --dppo-delta-low/high are not given: those of verl's DPPO example runs, for binary TV and binary
+# KL (docs/objectives.md).
+SURROGATES = ["clip", "cispo", "sapo", "dppo-tv", "dppo-kl"]
+DPPO_DELTAS = {"dppo-tv": 0.15, "dppo-kl": 0.05}
+
 # The real-valued flags and the values each takes (never NaN or inf: they pass every "<= 0" test).
 NUMBER_RANGES = [
     ("lr", lambda v: v >= 0, ">= 0"),
@@ -665,6 +726,8 @@ NUMBER_RANGES = [
     ("delta", lambda v: v > 1, "> 1"),
     ("sapo_tau_pos", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
     ("sapo_tau_neg", lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_VALUES),
+    ("dppo_delta_low", lambda v: v > 0, "> 0"),
+    ("dppo_delta_high", lambda v: v > 0, "> 0"),
     ("top_entropy_quantile", lambda v: 0 <= v <= 1, "in [0, 1] (1: off)"),
     ("off_policy_mask", lambda v: v >= 0, ">= 0"),
     ("sampler_ratio_min", lambda v: v >= 0, ">= 0"),
@@ -776,6 +839,7 @@ def check_option_flags(args):
             "that it would cap ratios the ordinary clip already handles."
         )
     check_objective_flags(args)
+    check_reward_flags(args)
     if args.ref_update_every and (args.beta == 0 or args.lora_rank or args.fsdp):
         why = (
             "at beta 0 there is no pi_ref (no KL term) to reset"
@@ -800,11 +864,13 @@ def check_option_flags(args):
             f"({args.max_new_tokens})."
         )
     args.tool = split_commas(args.tool, "--tool")
-    if args.tool and (args.num_beams > 1 or args.fsdp):
+    check_tool_flags(args)
+    if (args.tool or args.env) and (args.num_beams > 1 or args.fsdp):
+        tools_flag = "--tool" if args.tool else "--env"
         raise UserError(
-            f"--tool needs sampled completions that the decode loop can write a tool's result "
+            f"{tools_flag} needs sampled completions that the decode loop can write a tool's result "
             f"into, one token at a time; {'beam search (--num-beams)' if args.num_beams > 1 else '--fsdp'} "
-            "runs transformers' generate(), which cannot. Drop --tool, or drop "
+            f"runs transformers' generate(), which cannot. Drop {tools_flag}, or drop "
             f"{'--num-beams' if args.num_beams > 1 else '--fsdp (DDP, without it, runs tools: each rank its own calls)'}."
         )
     if args.compile and (args.fsdp or args.lora_rank):
@@ -814,33 +880,56 @@ def check_option_flags(args):
         )
 
 
+def check_tool_flags(args):
+    """--env and --tool-format: a value that names something, and a format with tools to call."""
+    if args.env is not None and not args.env.strip():
+        raise UserError(
+            f"--env {args.env!r} names nothing: pass MODULE:CLASS, or drop --env (an empty shell "
+            "variable, perhaps)."
+        )
+    if args.tool_format != "markers" and not (args.tool or args.env):
+        raise UserError(
+            f"--tool-format {args.tool_format} is how the model writes tool calls; without --tool "
+            "or --env there is nothing to call. Add one, or drop --tool-format."
+        )
+
+
 def check_objective_flags(args):
     """--surrogate and the options that go with it, the sampler correction's bounds, and what
     needs the decode's log-probs."""
-    unused = {
+    dppo = args.surrogate in DPPO_DELTAS
+    unused = {  # sapo and dppo-*: no clip
         "clip": [],
         "cispo": [("--delta", args.delta is not None)],
-        "sapo": [
-            ("--delta", args.delta is not None),
-            ("--epsilon-high", args.epsilon_high is not None),
-        ],
-    }[args.surrogate]
+    }.get(
+        args.surrogate,
+        [("--delta", args.delta is not None), ("--epsilon-high", args.epsilon_high is not None)],
+    )
     if args.surrogate != "sapo":
         unused += [
             ("--sapo-tau-pos", args.sapo_tau_pos != 1.0),
             ("--sapo-tau-neg", args.sapo_tau_neg != 1.05),
         ]
+    if not dppo:
+        unused += [
+            ("--dppo-delta-low", args.dppo_delta_low is not None),
+            ("--dppo-delta-high", args.dppo_delta_high is not None),
+        ]
     for option, given in unused:
         if given:
             raise UserError(
                 f"{option} does nothing with --surrogate {args.surrogate}: drop it (--delta belongs "
-                "to clip, --epsilon-high to clip and cispo, --sapo-tau-* to sapo)."
+                "to clip, --epsilon-high to clip and cispo, --sapo-tau-* to sapo, --dppo-delta-* "
+                "to dppo-tv and dppo-kl)."
             )
+    if dppo:
+        check_dppo_flags(args)
     if args.kl_bias_correction and args.beta == 0 and args.preset is None:
         raise UserError(
             "--kl-bias-correction multiplies the KL term by the ratio; at --beta 0 there is no KL "
             "term: give --beta > 0, or drop --kl-bias-correction."
         )
+    check_kl_flags(args)
     bounds = (args.sampler_ratio_min, args.sampler_ratio_max)
     if args.sampler_correction is None and bounds != (0.0, 3.0):
         raise UserError(
@@ -860,6 +949,98 @@ def check_objective_flags(args):
             f"transformers' generate(), which does not keep them. Drop {flag_name} or "
             f"{'--num-beams' if args.num_beams > 1 else '--fsdp'}."
         )
+
+
+def check_dppo_flags(args):
+    """--surrogate dppo-tv/dppo-kl: thresholds it can reach, token ratios, and a behaviour policy
+    other than pi_theta itself."""
+    deltas = [
+        ("--dppo-delta-low", args.dppo_delta_low),
+        ("--dppo-delta-high", args.dppo_delta_high),
+    ]
+    for option, value in deltas:
+        if args.surrogate == "dppo-tv" and value is not None and value >= 1:
+            raise UserError(
+                f"{option} {value:g} drops nothing with --surrogate dppo-tv: p and b are "
+                "probabilities, so |p - b| stays below 1. Give a value below 1 (verl's examples "
+                f"use {DPPO_DELTAS['dppo-tv']:g})."
+            )
+    if args.ratio_level == "sequence":
+        raise UserError(
+            f"--surrogate {args.surrogate} drops each token by its own probability; with "
+            "--ratio-level sequence every token's term carries its whole completion's ratio, so a "
+            "dropped token would still move through the others'. Use --ratio-level token."
+        )
+    generate = "--fsdp" if args.fsdp else "--num-beams" if args.num_beams > 1 else None
+    if args.num_iterations == 1 and generate:
+        raise UserError(
+            f"--surrogate {args.surrogate} at --num-iterations 1 needs the sampler's log-probs as "
+            "its behaviour policy (pi_old is pi_theta there: the trust region would drop nothing), "
+            f"and with {generate} transformers' generate() decodes, which does not keep them. Give "
+            f"--num-iterations 2 or more (pi_old is then the behaviour policy), or drop {generate}."
+        )
+
+
+def check_kl_flags(args):
+    """--kl-estimator, --kl-in-reward and --kl-bias-correction: each needs the KL term it acts on
+    (the bias correction's alone at beta 0 is check_objective_flags')."""
+    if args.kl_in_reward and args.beta == 0:
+        raise UserError(
+            "--kl-in-reward subtracts beta times each completion's KL from its reward; at --beta 0 "
+            "there is nothing to subtract: give --beta > 0, or drop --kl-in-reward."
+        )
+    if args.kl_estimator != "k3" and (args.beta == 0 or args.kl_in_reward):
+        why = (
+            "with --kl-in-reward the KL is k1 in the reward and the loss has no KL term"
+            if args.kl_in_reward
+            else "at --beta 0 there is no KL term"
+        )
+        raise UserError(
+            f"--kl-estimator {args.kl_estimator} chooses the loss's KL estimator; {why}: drop "
+            "--kl-estimator."
+        )
+    if args.kl_bias_correction and (args.kl_in_reward or args.kl_estimator != "k3"):
+        why = (
+            "with --kl-in-reward the loss has no KL term to correct"
+            if args.kl_in_reward
+            else "k2's gradient is already the reverse KL's, and r * k2's would be that of "
+            "E[k2], not of the KL"
+        )
+        raise UserError(
+            "--kl-bias-correction multiplies the loss's k3 by the ratio (DeepSeek-V3.2's eq. 7, "
+            f"for k3); {why}. Drop --kl-bias-correction (--no-kl-bias-correction under --preset)."
+        )
+
+
+def check_reward_flags(args):
+    """--multi-reward gdpo against the other options that read the rewards. (One reward function,
+    known once the task's rewards are: trainer.load_task; a process reward, once one returns steps:
+    process_supervision.check_settings.)"""
+    if args.multi_reward != "gdpo":
+        return
+    for given, option, why in (
+        (
+            args.scale_rewards != "group",
+            f"--scale-rewards {args.scale_rewards}",
+            "GDPO divides each reward by its group's std, then the weighted sum by the batch's",
+        ),
+        (
+            args.dynamic_sampling,
+            "--dynamic-sampling",
+            "it keeps the groups whose total rewards differ, and GDPO's advantages come from each "
+            "reward's own spread, which the total does not show",
+        ),
+        (
+            args.kl_in_reward,
+            "--kl-in-reward",
+            "it subtracts the KL from the weighted total reward, which GDPO never forms (each "
+            "reward is normalized on its own)",
+        ),
+    ):
+        if given:
+            raise UserError(
+                f"{option} does not combine with --multi-reward gdpo: {why}. Drop one of them."
+            )
 
 
 def check_task_flags(args):
@@ -893,7 +1074,7 @@ def check_task_flags(args):
             f"--demo brings its own task; drop --{custom[0].replace('_', '-')} (--reward-fn and "
             "--reward-model do work with --demo)."
         )
-    if args.task in ("addition", "multiplication", "chain") and (args.demo or custom):
+    if args.task in ("addition", "multiplication", "chain", "shop") and (args.demo or custom):
         drop = "--demo" if args.demo else "--" + custom[0].replace("_", "-")
         raise UserError(
             f"--task {args.task} generates its own rows, prompts and rewards; drop {drop} "

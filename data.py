@@ -75,7 +75,17 @@ class Task:
         """The names of the task's fields (train and held-out rows), computed once."""
         return field_names(self.train + self.eval)
 
-    def score(self, rows, completions, G=1, lengths=None, tool_calls=None, steps=None, here=False):
+    def score(
+        self,
+        rows,
+        completions,
+        G=1,
+        lengths=None,
+        tool_calls=None,
+        steps=None,
+        here=False,
+        environment_rewards=None,
+    ):
         """Line 8 of Algorithm 1: the total reward [N] of the G completions of each row (row 0's G
         first, as sampled) and each function's {name: [N]}. The functions see the responses (prefix
         + completion) and each row's answer, and, when they declare them, its prompt (`prompts`) and
@@ -83,7 +93,9 @@ class Task:
         `lengths` [N]) and its number of tool calls (`tool_calls`, from `tool_calls` [N]; 0 each
         when the task has no tools). steps: a dict that receives a process reward's steps
         (rewards.score). here: the functions called as train.py calls them (rewards.call_here);
-        a callable: the save of the last finished step, made at once on a signal during them."""
+        a callable: the save of the last finished step, made at once on a signal during them.
+        environment_rewards [N]: the --env reward method's values (the column
+        `environment_rewards`, which tools.environment_reward returns)."""
         rows = [row for row in rows for _ in range(G)]
         columns = {
             name: [row.get("fields", {}).get(name) for row in rows]  # a row without a field: None
@@ -94,6 +106,8 @@ class Task:
             columns["completion_lengths"] = [int(n) for n in lengths]
         calls = [0] * len(rows) if tool_calls is None else [int(n) for n in tool_calls]
         columns["tool_calls"] = calls
+        if environment_rewards is not None:
+            columns["environment_rewards"] = [float(v) for v in environment_rewards]
         responses, answers = self.responses(completions), [row["answer"] for row in rows]
         return rewards.score(self.rewards, responses, answers, steps, here, **columns)
 
@@ -237,7 +251,8 @@ def own_row(where, record, prompt_field, answer_field):
         raise ValueError(f"{where}: no answer field {answer_field!r} (fields: {', '.join(record)})")
     check_prompt_length(where, record[prompt_field], prompt_field)
     others = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
-    reserved = sorted(set(others) & {"prompts", "completion_lengths", "tool_calls"})
+    reserved = {"prompts", "completion_lengths", "tool_calls", "environment_rewards"}
+    reserved = sorted(set(others) & reserved)
     if reserved:
         raise ValueError(
             f"{where}: a field may not be named {reserved[0]!r}: reward functions get that argument "
@@ -547,6 +562,95 @@ def chain_response(row):
     return "\n".join([*lines, f"The answer is {total}."])
 
 
+# --task shop (issue 55, item 4): each row's environment (support/shop.py) holds a small price list
+# drawn for the row and shown nowhere in the prompt; the question asks for the total price of a
+# basket, so the model looks up each of its items (the `price` tool) and adds them up (the
+# `calculator`): two tools, three calls or more, with state in the environment. Nothing can be
+# memorized: the prices are drawn per row, and the held-out rows' items are never in a training
+# row. The worked example's items (tea, jam) are in neither.
+SHOP_SEED = 0
+SHOP_ROWS = 5000
+SHOP_ITEMS = (
+    "apple bread butter cheese coffee corn eggs fish flour honey milk nuts oats oil pasta peas "
+    "rice salt soap soup sugar beans tuna wine"
+).split()
+SHOP_HELD_OUT_ITEMS = "bacon cocoa cream garlic ginger lemon mango melon olives pepper syrup yogurt"
+SHOP_HELD_OUT_ITEMS = SHOP_HELD_OUT_ITEMS.split()
+SHOP_PRICES = (2, 19)  # each item's price, drawn per row
+SHOP_LIST = 5  # items on a row's price list: the basket's and others
+SHOP_SYSTEM_PROMPT = {
+    "markers": "You are a shop's assistant. You do not know its prices: look each item up with "
+    '<tool>price {"item": NAME}</tool>, add them up with <tool>calculator EXPRESSION</tool>, and give '
+    "the total as <answer>NUMBER</answer>.",
+    "hermes": "You are a shop's assistant. You do not know its prices: look each item up with the "
+    "price tool, add them up with the calculator tool, and give the total as "
+    "<answer>NUMBER</answer>.",
+}
+SHOP_EXAMPLE_QUESTION = "What is the total price of 2 tea and 3 jam?"
+SHOP_EXAMPLE_PRICES = {"tea": 4, "jam": 7, "figs": 5}  # the example's shop (tests check it)
+SHOP_EXAMPLE = {
+    "markers": (
+        SHOP_EXAMPLE_QUESTION,
+        '<tool>price {"item": "tea"}</tool><result>4</result> <tool>price {"item": "jam"}</tool>'
+        "<result>7</result> <tool>calculator 2*4+3*7</tool><result>29</result> The total is "
+        "<answer>29</answer>.",
+    ),
+    "hermes": (
+        SHOP_EXAMPLE_QUESTION,
+        '<tool_call>{"name": "price", "arguments": {"item": "tea"}}</tool_call><tool_response>\n4\n'
+        '</tool_response>\n<tool_call>{"name": "price", "arguments": {"item": "jam"}}</tool_call>'
+        '<tool_response>\n7\n</tool_response>\n<tool_call>{"name": "calculator", "arguments": '
+        '{"expression": "2*4+3*7"}}</tool_call><tool_response>\n29\n</tool_response>\nThe total '
+        "is <answer>29</answer>.",
+    ),
+}
+
+
+def shop_row(rng, items):
+    """One row of --task shop: a price list of SHOP_LIST of `items` at prices drawn from
+    SHOP_PRICES, a basket of 2 or 3 of them (1 to 3 units each), its question and its total."""
+    listed = rng.sample(items, SHOP_LIST)
+    prices = {item: rng.randint(*SHOP_PRICES) for item in listed}
+    basket = {item: rng.randint(1, 3) for item in listed[: rng.randint(2, 3)]}
+    parts = [f"{n} {item}" for item, n in basket.items()]
+    question = f"What is the total price of {', '.join(parts[:-1])} and {parts[-1]}?"
+    total = sum(n * prices[item] for item, n in basket.items())
+    return {
+        "prompt": question,
+        "answer": str(total),
+        "fields": {"prices": prices, "basket": basket},
+    }
+
+
+def shop_rows(seed=SHOP_SEED, count=SHOP_ROWS, held_out=200):
+    """(train rows, held-out rows) of --task shop, drawn with random.Random(seed): the train rows
+    from SHOP_ITEMS, the held-out ones from SHOP_HELD_OUT_ITEMS (no item of one is in the other)."""
+    rng = random.Random(seed)
+    train = [shop_row(rng, SHOP_ITEMS) for _ in range(count)]
+    return train, [shop_row(rng, SHOP_HELD_OUT_ITEMS) for _ in range(held_out)]
+
+
+def shop_task(tool_format="markers"):
+    """--task shop: its rows, in a prompt with the system prompt and one worked exchange in the
+    call format (the tools' schemas are added to it under hermes: tools.ToolPrompt), scored by
+    the answer in <answer>...</answer> with the tools' results taken out (model_answer_reward);
+    the environment's reward (looked_up) joins it (support/shop.py)."""
+    train, test = shop_rows()
+    generated = f"generated (--task shop, seed {SHOP_SEED})"
+    return Task(
+        train=train,
+        eval=test,
+        template=functools.partial(
+            example_prompt, SHOP_SYSTEM_PROMPT[tool_format], SHOP_EXAMPLE[tool_format]
+        ),
+        rewards=rewards.weighted([("correctness", rewards.model_answer_reward)], [1.0]),
+        extract_answer=rewards.model_answer,
+        train_from=generated,
+        eval_from=f"{generated[:-1]}, items never trained on)",
+        shortest_response=lambda row: f"<answer>{row['answer']}</answer>",
+    )
+
+
 def task_from_flags(args):
     """The task that --data describes, with its default rewards (rewards.from_flags applies
     --reward-fn etc.): GSM8K (rows read as GSM8K, correctness and format, data.SYSTEM_PROMPT) or,
@@ -561,6 +665,8 @@ def task_from_flags(args):
         return multiplication_task(bool(args.tool))
     if args.task == "chain":
         return chain_task()
+    if args.task == "shop":
+        return shop_task(args.tool_format)
     custom = args.prompt_field is not None or args.answer_field is not None
     need_train, need_eval = not args.eval_only, args.eval_only or args.eval_every >= 0
     eval_path, eval_flag = args.eval_data, "--eval-data"

@@ -34,6 +34,7 @@ class EvalSettings:
                 args.max_new_tokens,
                 args.max_prompt_length,
                 graphs=args.decode == "graphs",
+                fused=args.decode == "fused",
             ),
             args.eval_samples,
             args.eval_limit,
@@ -77,15 +78,22 @@ def evaluate(
             if not chunk and not decode.is_sharded(model):
                 break
             # FSDP2: join in
-            prompts = [task.prompt(tokenizer, row["prompt"]) for row in chunk or every[:1]]
+            asked = chunk or every[:1]
+            prompts = [task.prompt(tokenizer, row["prompt"]) for row in asked]
             rollouts = sampling.sample_rollouts(
-                model, tokenizer, prompts, settings, samples, autocast_dtype, task.tools
+                model, tokenizer, prompts, settings, samples, autocast_dtype, task.tools, asked
             )
             if rollouts.tool_failure is not None:
                 raise rollouts.tool_failure
             if chunk:
+                env = rollouts.environment_rewards  # --env's reward method: a column of its own
                 total, per_fn = task.score(
-                    chunk, rollouts.texts, samples, rollouts.lengths, rollouts.tool_calls
+                    chunk,
+                    rollouts.texts,
+                    samples,
+                    rollouts.lengths,
+                    rollouts.tool_calls,
+                    **({} if env is None else {"environment_rewards": env}),
                 )
                 chunks.append({**per_fn, "reward": total})
                 if task.tools is not None:  # means only: no pass@k or maj@k of these

@@ -107,8 +107,10 @@ def last_sampled(sampled, k):
     return k
 
 
-def check_settings(scale_rewards="group", dynamic_sampling=False):
-    """A UserError for the trainer's options that a process reward cannot follow: both read one
+def check_settings(
+    scale_rewards="group", dynamic_sampling=False, multi_reward="sum", kl_in_reward=False
+):
+    """A UserError for the trainer's options that a process reward cannot follow: each reads one
     reward per completion."""
     if scale_rewards != "group":
         raise UserError(
@@ -121,4 +123,18 @@ def check_settings(scale_rewards="group", dynamic_sampling=False):
             "--dynamic-sampling keeps the groups whose total rewards differ; with a process reward "
             "a group whose totals are equal can still have steps that differ. Drop "
             "--dynamic-sampling, or return one number per completion from the reward functions."
+        )
+    if multi_reward == "gdpo":
+        raise UserError(
+            "--multi-reward gdpo normalizes each reward function's one number per completion in "
+            "its group; a process reward gives steps, which are normalized over all the group's "
+            "steps instead (DeepSeekMath §4.1.3). Drop --multi-reward, or return one number per "
+            "completion from the reward functions."
+        )
+    if kl_in_reward:
+        raise UserError(
+            "--kl-in-reward subtracts beta times the KL from each completion's one reward; a "
+            "process reward gives steps, normalized per token (DeepSeekMath §4.1.3). Drop "
+            "--kl-in-reward (the KL then stays in the loss), or return one number per completion "
+            "from the reward functions."
         )

@@ -113,17 +113,22 @@ def last_number(completion: str) -> str | None:
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
 
-def without_results(completion: str) -> str:
+# --tool-format hermes's result markers (support/tool_calls.FORMATS["hermes"], stripped)
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+def without_results(completion: str, markers=(RESULT_OPEN, RESULT_CLOSE)) -> str:
     """The completion with every tool result taken out: each span from "<result>" to the next
-    "</result>" (or to the end, where a budget cut the result), markers included. What is left is
-    what the model wrote. Linear in the length of the text."""
+    "</result>" (or to the end, where a budget cut the result), markers included; `markers`: the
+    other format's pair. What is left is what the model wrote. Linear in the length of the text."""
+    opening, closing = markers
     kept, position = [], 0
-    while (start := completion.find(RESULT_OPEN, position)) != -1:
+    while (start := completion.find(opening, position)) != -1:
         kept.append(completion[position:start])
-        end = completion.find(RESULT_CLOSE, start + len(RESULT_OPEN))
+        end = completion.find(closing, start + len(opening))
         if end == -1:
             return "".join(kept)
-        position = end + len(RESULT_CLOSE)
+        position = end + len(closing)
     kept.append(completion[position:])
     return "".join(kept)
 
@@ -131,7 +136,8 @@ def without_results(completion: str) -> str:
 def model_answer(completion: str) -> str | None:
     """The answer the model committed to, in a completion that may call tools: the last number in
     its last complete <answer>...</answer> block (extract_answer), with the tools' results taken
-    out first (without_results), else None. The answer of --task multiplication --tool calculator.
+    out first (without_results: both formats'), else None. The answer of --task multiplication
+    --tool calculator and --task shop.
 
     A cut cannot corrupt it. A budget that cuts the completion before "</answer>" leaves no
     answer (None, scored 0), never a wrong one: not the operand before the cut, not the first
@@ -141,7 +147,8 @@ def model_answer(completion: str) -> str | None:
     """
     if not isinstance(completion, str):
         return None
-    return extract_answer(without_results(completion))
+    written = without_results(without_results(completion), (RESPONSE_OPEN, RESPONSE_CLOSE))
+    return extract_answer(written)
 
 
 def _parse_reference(answer) -> Decimal | None:
@@ -444,11 +451,13 @@ def check_names(names):
         )
 
 
-def from_flags(args, defaults, fields=()):
+def from_flags(args, defaults, fields=(), environment=None):
     """The run's rewards, [Reward]: --reward-fn's functions (without it the task's own
-    `defaults`, [(name, fn)]), then --reward-model's models, weighted by --reward-weights in that
-    order (every weight 1.0 without it), each given --reward-timeout's time limit. `fields`: the
-    data rows' other fields, which a function may declare as parameters."""
+    `defaults`, [(name, fn)]), then the --env reward method's (`environment`: (its name,
+    tools.environment_reward), or None), then --reward-model's models, weighted by
+    --reward-weights in that order (every weight 1.0 without it), each given --reward-timeout's
+    time limit. `fields`: the data rows' other fields, which a function may declare as
+    parameters."""
     import torch  # here: the worker process imports rewards.py's functions, and needs no torch
 
     from support.reward_model import RewardModel
@@ -460,13 +469,15 @@ def from_flags(args, defaults, fields=()):
         if args.reward_fn
         else list(defaults)
     )
+    named += [] if environment is None else [environment]
     names = [name for name, _ in named] + [model_name(path) for path in args.reward_model]
     names += ["overlong"] if args.overlong_buffer > 0 else []
     weights = args.reward_weights or [1.0] * len(names)
     if len(weights) != len(names):
         raise UserError(
-            f"--reward-weights needs one weight per reward, in the order: reward functions, then reward "
-            f"models, then the overlong penalty ({', '.join(names)}): {len(names)} numbers, got "
+            f"--reward-weights needs one weight per reward, in the order: reward functions, then "
+            f"{'the --env reward, then ' if environment else ''}reward models, then the overlong "
+            f"penalty ({', '.join(names)}): {len(names)} numbers, got "
             f"{len(weights)}."
         )
     check_names(names)
@@ -563,6 +574,7 @@ def check_signature(name, fn, fields):
             "prompts",
             "completion_lengths",
             "tool_calls",
+            "environment_rewards",
             *fields,
         ):
             raise UserError(

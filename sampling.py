@@ -46,6 +46,9 @@ class Sampling:
     # --decode graphs (the default on CUDA): the decode step replayed as a CUDA graph
     # (decode.GraphStep); the same tokens, without a kernel launch per op
     graphs: bool = False
+    # --decode fused: the decoder layers through one compiled graph (decode.FusedStep), captured as
+    # a CUDA graph on CUDA; the same distribution (tokens within inductor's rounding)
+    fused: bool = False
 
     @classmethod
     def of(cls, args):
@@ -59,6 +62,7 @@ class Sampling:
             args.num_beams,
             args.sampler_correction is not None or args.log_mismatch,
             args.decode == "graphs",
+            args.decode == "fused",
         )
 
 
@@ -84,6 +88,10 @@ class Rollouts:
     # A tool that hung or died (a UserError): the caller raises it, on every rank alike
     # (train.score_or_fail_everywhere), and the run stops, saved.
     tool_failure: Exception | None = None
+    # --env with a reward method: [B*G] float32, each completion's environment's reward, computed
+    # while the environment lived (tools.ToolSession.finish); data.Task.score passes it on. None:
+    # no such reward.
+    environment_rewards: torch.Tensor | None = None
     # Sampling.keep_logps: [B*G, C] fp32 log-prob of each sampled token under the distribution it
     # was drawn from (after top-k / top-p), and the log of the probability mass those kept (0:
     # nothing cut); log π_sampler of the full tempered softmax is their sum. 0 on forced tokens
@@ -138,17 +146,29 @@ def warn_all_cut(max_new_tokens):
 
 
 def sample_rollouts(
-    model, tokenizer, prompts, settings, group_size, autocast_dtype=None, tools=None
+    model, tokenizer, prompts, settings, group_size, autocast_dtype=None, tools=None, rows=None
 ):
     """The prompts (strings), tokenized once, and G completions of each: Rollouts on the model's
     device. tools (tools.Tools): the completions may call them (tools.py), their results forced
-    in."""
-    device = next(model.parameters()).device
-    eos = eos_token_ids(model, tokenizer)
-    limit = prompt_limit(model, settings)
+    in; rows: the data rows of the prompts, which reset each completion's environment (--env)."""
+    device, limit = next(model.parameters()).device, prompt_limit(model, settings)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, limit)  # [B, P]
     n = prompt_ids.shape[0] * group_size
-    session = None if tools is None else tools.session(tokenizer, n, settings.max_new_tokens)
+    session = None if tools is None else tools.session(tokenizer, n, settings.max_new_tokens, rows)
+    try:
+        return decode_rollouts(
+            model, tokenizer, settings, group_size, autocast_dtype, session, prompt_ids, prompt_mask
+        )
+    finally:  # the environments go, however the decode ends
+        if session is not None:
+            session.close()
+
+
+def decode_rollouts(
+    model, tokenizer, settings, group_size, autocast_dtype, session, prompt_ids, prompt_mask
+):
+    """sample_rollouts' decode of the tokenized prompts [B, P], and the masks of what it wrote."""
+    device, eos = prompt_ids.device, eos_token_ids(model, tokenizer)
     record, pad = {} if settings.keep_logps else None, tokenizer.pad_token_id
     with autocast(device, autocast_dtype):
         completion_ids = decode.generate(  # [B*G, C]
@@ -164,17 +184,21 @@ def sample_rollouts(
     attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0), within], dim=1)
     truncated = ~torch.isin(sampled_ids, torch.tensor(eos, device=device)).any(1)  # [B*G]
     sequences = torch.cat([prompt_ids.repeat_interleave(group_size, dim=0), completion_ids], dim=1)
-    counts = {}
+    counts, texts = {}, completion_texts(tokenizer, completion_ids, within)
     if session is not None:
+        environment_rewards = session.finish(texts)  # [B*G] or None; a failure: session.failure
         counts = dict(
             forced=forced,
             tool_calls=torch.tensor(session.calls, device=device),
             tool_errors=torch.tensor(session.errors, device=device),
             tool_failure=session.failure,
+            environment_rewards=None
+            if environment_rewards is None
+            else environment_rewards.to(device),
         )
     if record is not None:  # on the sampled tokens up to EOS (the decode wrote 0 elsewhere)
         counts.update(sampler_logps=record["drawn"] * mask, log_kept=record["log_kept"] * mask)
-    texts, T = completion_texts(tokenizer, completion_ids, within), settings.temperature
+    T = settings.temperature
     return Rollouts(sequences, attention_mask, mask, texts, group_size, T, truncated, **counts)
 
 
@@ -363,6 +387,7 @@ def select_groups(rollouts, groups):
                 "forced",
                 "tool_calls",
                 "tool_errors",
+                "environment_rewards",
                 "sampler_logps",
                 "log_kept",
             )
@@ -416,6 +441,7 @@ def concat_rollouts(parts):
         forced=completions("forced"),
         tool_calls=rows("tool_calls"),
         tool_errors=rows("tool_errors"),
+        environment_rewards=rows("environment_rewards"),
         sampler_logps=completions("sampler_logps"),
         log_kept=completions("log_kept"),
     )

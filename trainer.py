@@ -48,7 +48,7 @@ from support.worker import Worker
 from train import DevNullWhenReaderGone
 
 # the sums policy_weights adds to grpo_loss's (grpo.STATS)
-OPTION_STATS = ("entropy_dropped", "sequences", "off_policy")
+OPTION_STATS = ("entropy_dropped", "sequences", "off_policy", "dppo_dropped")
 
 
 def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
@@ -77,8 +77,8 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     # 7: sample G outputs o_i ~ π_old(· | q) for each question q.
                     with phases.phase("generate"):
                         rollouts = sampling.sample_rollouts(
-                            model, tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools
-                        )
+                            model, tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools, rows
+                        )  # fmt: skip
                     # 8: the rewards r_i of each o_i: [B*G], and {name: [B*G]} per function.
                     with phases.phase("rewards"):
                         reward, per_fn, steps = score_or_fail_everywhere(task, rows, rollouts)
@@ -92,10 +92,12 @@ def train(args, task, model, tokenizer, resume_dir=None, phases=NO_PHASES):
                     if s.mask_truncated:
                         # A completion the budget cut off gets no loss (its reward still counts).
                         rollouts.completion_mask[rollouts.truncated] = 0
-                    # 9: Â_i,t by group-relative advantage estimation (outcome or process).
-                    advantages = advantages_of(run, task, rollouts, reward, per_fn, steps)
                     # log π_ref(o_i,t | q, o_i,<t) for the KL term (none when β = 0): [B*G, C].
                     ref_logps = reference_logps(run, rollouts) if mu > 0 else None
+                    # --kl-in-reward: r_i - β Σ_t log(π_θ/π_ref) (k1), its KL logged with the step.
+                    penalized = reward_with_kl(run, rollouts, reward, ref_logps, dynamic)
+                    # 9: Â_i,t by group-relative advantage estimation (outcome or process).
+                    advantages = advantages_of(run, task, rollouts, penalized, per_fn, steps)
                     # μ = 1: π_old = sg(π_θ), the ratio is exactly 1.
                     old_logps, updates = None, []
                     run.step_log = (scored, updates, dynamic)  # logged if stopped after an update
@@ -142,19 +144,24 @@ class LossSettings:
     ratio_level: str  # token | sequence (GSPO)
     max_tokens: int  # the generation budget: Dr. GRPO's constant
     delta: float | None  # dual clip: the ratio's cap where the advantage is negative; None: off
-    surrogate: str = "clip"  # the policy term: clip (eq. 3) | cispo | sapo
+    surrogate: str = "clip"  # the policy term: clip (eq. 3) | cispo | sapo | dppo-tv | dppo-kl
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     top_entropy: float = 1.0  # ρ: the policy term on the top-ρ tokens by entropy; 1: all
     off_policy_threshold: float | None = None  # DeepSeek-V3.2's sequence mask; None: off
     kl_bias_correction: bool = False  # the KL term × r (DeepSeek-V3.2; TRL's default)
+    kl_estimator: str = "k3"  # the KL term's: k3 (eq. 4) | k2
+    dppo_deltas: tuple = ()  # --surrogate dppo-*: (δ_low, δ_high) of grpo.dppo_mask
 
     @classmethod
     def of(cls, args):
+        default = config.DPPO_DELTAS.get(args.surrogate)
+        low = default if args.dppo_delta_low is None else args.dppo_delta_low
+        high = low if args.dppo_delta_high is None else args.dppo_delta_high
         return cls(
             args.epsilon,
             args.epsilon_high,
-            args.beta,
+            0.0 if args.kl_in_reward else args.beta,  # --kl-in-reward: no KL term in the loss
             args.loss_type,
             args.ratio_level,
             args.max_new_tokens,
@@ -165,6 +172,8 @@ class LossSettings:
             args.top_entropy_quantile,
             args.off_policy_mask,
             args.kl_bias_correction,
+            args.kl_estimator,
+            (low, high) if default is not None else (),
         )
 
 
@@ -187,6 +196,8 @@ class Settings:
     correction: tuple | None
     seed: int
     scale_rewards: str  # grpo.group_advantages' scale
+    multi_reward: str  # sum: eq. 3's Â of the weighted total | gdpo: grpo.gdpo_advantages
+    reward_kl_beta: float  # --kl-in-reward: β of k1 in the reward (LossSettings.beta is then 0)
     mask_truncated: bool
     dynamic_sampling: bool
     max_resample: int
@@ -211,7 +222,7 @@ class Settings:
             micro_batch_size=args.micro_batch_size or args.batch_size * G,
             autocast_dtype=sampling.AUTOCAST_DTYPE[args.dtype],
             start=checkpoint.starting_weights(args, resume_dir),
-            sampling=sampling.Sampling.of(args),
+            sampling=rollout_sampling(args),
             eval=evaluation.EvalSettings.of(args),
             loss=LossSettings.of(args),
             correction=(args.sampler_correction, args.sampler_ratio_min, args.sampler_ratio_max)
@@ -219,6 +230,8 @@ class Settings:
             else None,
             seed=args.seed,
             scale_rewards=args.scale_rewards,
+            multi_reward=args.multi_reward,
+            reward_kl_beta=args.beta if args.kl_in_reward else 0.0,
             mask_truncated=args.mask_truncated,
             dynamic_sampling=args.dynamic_sampling,
             max_resample=args.max_resample,
@@ -230,6 +243,17 @@ class Settings:
             sample_every=args.sample_every,
             shared_prompt=not args.gradient_checkpointing,
         )
+
+
+def rollout_sampling(args):
+    """The training rollouts' sampling.Sampling. The decode keeps the sampler's log-probs for
+    --sampler-correction and --log-mismatch, and for --surrogate dppo-*, whose behaviour policy
+    they are, wherever its own loop decodes (transformers' generate(), under --fsdp or
+    --num-beams, keeps none: there DPPO's behaviour policy is π_old, at μ > 1 only)."""
+    settings = sampling.Sampling.of(args)
+    if args.surrogate in config.DPPO_DELTAS and not (args.fsdp or args.num_beams > 1):
+        settings = dataclasses.replace(settings, keep_logps=True)
+    return settings
 
 
 @dataclass
@@ -384,6 +408,7 @@ def score_or_fail_everywhere(task, rows, rollouts):
     returned NaN) on any rank stops every rank here: one all-reduce under torchrun. Returns (total
     [N], {name: [N]}, a process reward's steps {name: sandbox.Steps}, {} without one)."""
     error, result, steps = rollouts.tool_failure, None, {}
+    env = rollouts.environment_rewards  # --env's reward method: a column of its own
     try:
         if error is None:
             result = task.score(
@@ -393,6 +418,7 @@ def score_or_fail_everywhere(task, rows, rollouts):
                 rollouts.lengths,
                 rollouts.tool_calls,
                 steps=steps,
+                **({} if env is None else {"environment_rewards": env}),
             )
     except UserError as e:
         error = e
@@ -407,12 +433,22 @@ def score_or_fail_everywhere(task, rows, rollouts):
 def advantages_of(run, task, rollouts, reward, per_fn, steps):
     """Line 9: Â_i,t. Outcome supervision: the group-relative advantage of each completion's
     reward [B*G] (every rank's rewards gathered: --scale-rewards batch reads the whole batch), the
-    same for every t. Process supervision (§4.1.3), where a reward function returned steps: [B*G,
-    C] per token (process_supervision.py; groups are whole on each rank, so each rank's own)."""
+    same for every t; with --multi-reward gdpo, GDPO's of each function's rewards (per_fn, weighted
+    by task.rewards; gathered too: its last normalization is the batch's). Process supervision
+    (§4.1.3), where a reward function returned steps: [B*G, C] per token (process_supervision.py;
+    groups are whole on each rank, so each rank's own)."""
     s = run.settings
     if steps:
-        process_supervision.check_settings(s.scale_rewards, s.dynamic_sampling)
+        kl_in_reward = s.reward_kl_beta > 0
+        process_supervision.check_settings(
+            s.scale_rewards, s.dynamic_sampling, s.multi_reward, kl_in_reward
+        )
         adv = process_supervision.advantages(task, per_fn, steps, rollouts, run.tokenizer)
+    elif s.multi_reward == "gdpo":
+        table = torch.stack([per_fn[r.name] for r in task.rewards], 1)  # [B*G, K]
+        weights = [r.weight for r in task.rewards]
+        adv = grpo.gdpo_advantages(distributed.gather(table), weights, s.group_size)
+        adv = distributed.my_share(adv)
     else:
         adv = grpo.group_advantages(distributed.gather(reward), s.group_size, scale=s.scale_rewards)
         adv = distributed.my_share(adv)
@@ -439,7 +475,7 @@ def dynamic_sampling(run, task, step, scored):
         prompts = [task.prompt(run.tokenizer, r["prompt"]) for r in more]
         with run.phases.phase("generate"):
             extra = sampling.sample_rollouts(
-                run.model, run.tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools
+                run.model, run.tokenizer, prompts, s.sampling, G, s.autocast_dtype, task.tools, more
             )
         with run.phases.phase("rewards"):
             parts.append((more, extra, *score_or_fail_everywhere(task, more, extra)[:2]))
@@ -469,6 +505,33 @@ def reference_logps(run, rollouts):
         return frozen_logps(
             run.ref_model, rollouts, s.micro_batch_size, s.autocast_dtype, s.shared_prompt
         )
+
+
+def reward_with_kl(run, rollouts, reward, ref_logps, logged):
+    """--kl-in-reward (k1 in the reward, grpo.kl_penalty_rewards): each completion's reward less
+    β Σ_t log(π_θ/π_ref) over its loss tokens, before the advantages; `reward` as it is when the
+    option is off or there is no update (ref_logps None). π_θ's log-probs come from a no-grad
+    forward of the policy that sampled (before any update of the step: π_old), down the path and
+    micro-batches π_ref's take. Adds to `logged` (the step's metrics, every rank's tokens): kl, the
+    mean k3 per token (what the loss's KL term logs), and kl_penalty, the mean β Σ_t k1
+    subtracted."""
+    s = run.settings
+    if not s.reward_kl_beta or ref_logps is None:
+        return reward
+    with run.phases.phase("reference"):
+        policy = frozen_logps(
+            run.model, rollouts, s.micro_batch_size, s.autocast_dtype, s.shared_prompt
+        )
+    mask = rollouts.completion_mask.bool()
+    penalized = grpo.kl_penalty_rewards(
+        reward.to(policy.device), policy, ref_logps, mask, s.reward_kl_beta
+    ).to(reward.device)
+    x = torch.where(mask, ref_logps - policy, 0.0).double()  # log π_ref/π_θ
+    k3, tokens, subtracted, completions = distributed.all_sum(  # over the ranks
+        [(torch.exp(x) - x - 1).sum(), mask.sum(), (reward - penalized).sum(), reward.numel()]
+    )
+    logged.update(kl=k3 / max(tokens, 1), kl_penalty=subtracted / completions)
+    return penalized
 
 
 def count_nonfinite(run, stats):
@@ -537,7 +600,8 @@ def log_step(run, task, done, scored, updates, dynamic):
             report.tool_metrics(gather(rollouts.tool_calls), gather(rollouts.tool_errors))
         )
     if distributed.is_main():  # one metrics.jsonl
-        report.log_step(run.log, done, run.settings.steps, s.loss.beta, metrics, list(per_fn))
+        beta = s.loss.beta or s.reward_kl_beta  # the KL's, in the loss or in the reward
+        report.log_step(run.log, done, run.settings.steps, beta, metrics, list(per_fn))
         if metrics["frac_truncated"] == 1:
             sampling.warn_all_cut(s.sampling.max_new_tokens)
     run.logged = done
@@ -714,29 +778,33 @@ def micro_batch_loss(
 ):  # fmt: skip
     """grpo.grpo_loss on the micro-batch `rows` (its first `keep` columns): π_θ's log-probs and
     entropies [n, keep], with the sampler's log-probs where the decode kept them (the off-policy
-    mask's π_behavior; sampler_correction's π_sampler). The options beyond eq. 3 are composed
-    around it: CISPO's or SAPO's policy term in place of the clip (policy_term), the masks and the
-    sampler correction's weights multiplying each token's policy term (policy_weights). Returns
-    (loss, its statistics' sums)."""
+    mask's π_behavior; sampler_correction's π_sampler; with the mass top-k/top-p kept, DPPO's b).
+    The options beyond eq. 3 are composed around it: CISPO's, SAPO's or DPPO's policy term in
+    place of the clip (policy_term), the masks and the sampler correction's weights multiplying
+    each token's policy term (policy_weights). Returns (loss, its statistics' sums)."""
     mask = rollouts.completion_mask[rows, :keep]
     old, ref, behavior = (
         None if x is None else x[rows, :keep]
         for x in (old_logps, ref_logps, rollouts.sampler_logps)
     )
+    kept = None if behavior is None else rollouts.log_kept[rows, :keep]
     adv, o = advantages[rows] if advantages.dim() == 1 else advantages[rows, :keep], objective
-    weights, stats = policy_weights(o, correction, logps, entropy, old, behavior, adv, mask)
+    weights, stats = policy_weights(o, correction, logps, entropy, old, behavior, adv, mask, kept)
     loss = grpo.grpo_loss(
         logps, old, ref, adv, mask, epsilon=o.epsilon, epsilon_high=o.epsilon_high,
         beta=o.beta, loss_type=o.loss_type, max_tokens=o.max_tokens, normalizer=normalizer,
         ratio_level=o.ratio_level, delta=o.delta, surrogate=policy_term(o), weights=weights,
-        kl_bias_correction=o.kl_bias_correction, stats=stats,
+        kl_bias_correction=o.kl_bias_correction, kl_estimator=o.kl_estimator, stats=stats,
     )  # fmt: skip
     return loss, stats
 
 
 def policy_term(objective):
-    """grpo_loss's surrogate for --surrogate: None for eq. 3's clip, else CISPO's or SAPO's
-    per-token term with its settings bound (ε_high: --epsilon-high, or --epsilon)."""
+    """grpo_loss's surrogate for --surrogate: None for eq. 3's clip, else CISPO's, SAPO's or
+    DPPO's per-token term with its settings bound (ε_high: --epsilon-high, or --epsilon). DPPO's
+    r Â has none: its trust region is a mask (policy_weights)."""
+    if objective.surrogate in config.DPPO_DELTAS:
+        return grpo.dppo_objective
     if objective.surrogate == "cispo":
         eps_high = objective.epsilon if objective.epsilon_high is None else objective.epsilon_high
         return functools.partial(grpo.cispo_objective, epsilon_high=eps_high)
@@ -744,20 +812,35 @@ def policy_term(objective):
         tau = dict(tau_pos=objective.sapo_tau_pos, tau_neg=objective.sapo_tau_neg)
         return functools.partial(grpo.sapo_objective, **tau)
     if objective.surrogate != "clip":
-        raise ValueError(f"surrogate must be clip, cispo or sapo, got {objective.surrogate!r}")
+        raise ValueError(
+            f"surrogate must be one of {config.SURROGATES}, got {objective.surrogate!r}"
+        )
     return None
 
 
-def policy_weights(objective, correction, logps, entropy, old, behavior, advantages, mask):
+def policy_weights(
+    objective, correction, logps, entropy, old, behavior, advantages, mask, log_kept=None
+):
     """What multiplies each token's policy term in grpo_loss for one micro-batch: the product of
-    the off-policy sequence mask, the top-ρ entropy mask and the sampler correction's weights, in
-    that order, those that are on (None when none is); and the sums of the statistics they add
-    (completions, completions and tokens dropped, tokens or completions corrected). π_old is
-    π_θ's own log-probs, detached, when old is None (μ = 1, or the first iteration); π_behavior
-    the sampler's where kept, else π_old."""
+    DPPO's trust-region mask, the off-policy sequence mask, the top-ρ entropy mask and the sampler
+    correction's weights, in that order, those that are on (None when none is); and the sums of
+    the statistics they add (completions, completions and tokens dropped, tokens or completions
+    corrected). π_old is π_θ's own log-probs, detached, when old is None (μ = 1, or the first
+    iteration); π_behavior the sampler's where kept, else π_old. DPPO's b is the sampler's of the
+    full tempered softmax (behavior + log_kept: the distribution π_θ's p is of, so top-k/top-p's
+    cut is not taken for a divergence), else π_old's."""
     m = mask.bool()
-    stats = dict(sequences=(m.sum(1) > 0).sum().item(), entropy_dropped=0, off_policy=0)
+    stats = dict(
+        sequences=(m.sum(1) > 0).sum().item(), entropy_dropped=0, off_policy=0, dppo_dropped=0
+    )
     factors = []  # the masks and weights that are on
+    if objective.surrogate in config.DPPO_DELTAS:  # DPPO: p - b (or their binary KL) too far: 0
+        pi_old = logps.detach() if old is None else old
+        b = pi_old if behavior is None else behavior + log_kept
+        divergence = objective.surrogate.removeprefix("dppo-")
+        keep = grpo.dppo_mask(advantages, logps, b, m, *objective.dppo_deltas, divergence)
+        stats["dppo_dropped"] = (m & (keep == 0)).sum().item()
+        factors.append(keep)
     if objective.off_policy_threshold is not None:  # DeepSeek-V3.2: Â < 0 and far off-policy: 0
         pi_old = logps.detach() if old is None else old
         behavior_logps = pi_old if behavior is None else behavior
@@ -791,6 +874,8 @@ def option_shares(totals, objective, correction):
     """The share of tokens (or completions) each option that is on left out or changed."""
     tokens, sequences = max(totals["tokens"], 1), max(totals["sequences"], 1)
     shares = {}
+    if objective.surrogate in config.DPPO_DELTAS:
+        shares["dppo_dropped"] = totals["dppo_dropped"] / tokens
     if objective.top_entropy < 1:
         shares["entropy_dropped"] = totals["entropy_dropped"] / tokens
     if objective.off_policy_threshold is not None:
@@ -886,11 +971,16 @@ def load_task(args, task=None):
     --reward-fn, --reward-model, --overlong-buffer and --reward-weights make them, --extract-answer
     and --response-prefix. A step needing more rows than the data has is refused here."""
     task = task or data.task_from_flags(args)  # GSM8K, or your rows (--prompt-field, ...)
-    rewards.check_own_task_rewards(
-        args, task
-    )  # your rows with GSM8K's rewards: only numeric answers
-    # the task's own rewards, which --reward-fn replaces
+    toolbox = task.tools or tools.from_flags(args)  # --tool and --env, before the rewards
+    env_reward = tools.environment_reward_of(toolbox)  # (its name, fn) or None
+    if env_reward is None:
+        rewards.check_own_task_rewards(
+            args, task
+        )  # your rows with GSM8K's rewards: only numeric answers
+    # the task's own rewards, which --reward-fn replaces (and, on your own rows, --env's reward)
     named = [(r.name, r.fn) for r in task.rewards]
+    if env_reward is not None and (args.prompt_field, args.answer_field) != (None, None):
+        named = []
     extract = task.extract_answer
     if args.extract_answer is not None:
         # by import path: in its own worker process (support/worker.py), --reward-timeout per call
@@ -904,10 +994,20 @@ def load_task(args, task=None):
     task = dataclasses.replace(
         task,
         response_prefix=args.response_prefix,
-        rewards=rewards.from_flags(args, named, task.field_names),
+        rewards=rewards.from_flags(args, named, task.field_names, env_reward),
         extract_answer=extract,
-        tools=task.tools or tools.from_flags(args),
+        tools=toolbox,
+        template=tools.prompt_template(task.template, toolbox),  # hermes: the tools listed
     )
+    if toolbox is not None:
+        toolbox.check_fields(task.field_names)
+    if args.multi_reward == "gdpo" and len(task.rewards) < 2:
+        raise UserError(
+            "--multi-reward gdpo normalizes each reward in its group before summing them; with "
+            f"one reward ({task.rewards[0].name}) that is eq. 3's advantage normalized once more "
+            "over the batch. Add a reward (--reward-fn, --reward-model, --overlong-buffer), or drop "
+            "--multi-reward."
+        )
     need = Settings.of(args).prompts_per_step
     if not args.eval_only and args.steps > 0 and len(task.train) < need:
         raise UserError(
@@ -927,7 +1027,7 @@ def setup(args, resume_dir=None):
     fits = functools.partial(models.check_context, args.max_new_tokens, args.max_prompt_length)
     if args.demo:
         seed, steps, target = args.seed, args.demo_warmup_steps, args.demo_target_accuracy
-        if args.tool:  # the tool demo: sums beyond the tiny model's head, and the calculator
+        if args.tool or args.env:  # the tool demo: sums beyond the tiny model's head, and tools
             model, tokenizer, (train, held_out) = demo.tool_setup(seed, steps)
             task = data.tool_demo_task(train, held_out)
         else:

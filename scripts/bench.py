@@ -1579,6 +1579,150 @@ def parity_accumulation(model, tokenizer, tmp, batch):
     return rows
 
 
+# GDPO (--multi-reward gdpo) against TRL's multi_objective_aggregation="normalize_then_sum", which
+# TRL computes inline in GRPOTrainer._generate_and_score_completions: that method itself runs here
+# (a real generate of the tiny model, 2 tokens per completion), its reward functions returning the
+# columns of a fixed table of per-function rewards, and its "advantages" are compared with
+# grpo.gdpo_advantages on the same table. The loss cases above cannot check this: both sides take
+# the same precomputed advantages there.
+#
+# Tolerance: |ours - TRL| <= 1e-5 * max(1, largest |TRL advantage|), as PARITY_TOL. The rewards are
+# float32 on both sides; ours takes the statistics in float64 (then float32), TRL in float32, so
+# the two differ by TRL's rounding: a few float32 ulps of values of order 1 (each z-score, the
+# weighted sum, the batch's mean and std). That holds while a reward's spread within its group is
+# not tiny next to its size (float32 keeps 7 digits of r - mean): every table here keeps them
+# within a factor of 10.
+GDPO_TOL = PARITY_TOL
+
+
+def gdpo_tables():
+    """The GDPO cases: (name, per-function rewards [N, K] float32, weights, G), groups of G one
+    after another. Drawn from one seed; each keeps its reward functions on different scales, or
+    weighted apart, so that normalizing each first differs from normalizing the total."""
+    g = torch.Generator().manual_seed(0)
+
+    def coin(n):
+        return (torch.rand(n, generator=g) < 0.5).float()
+
+    # issue 56's worked example (grpo.gdpo_advantages' docstring): correctness and a format reward
+    yield (
+        "correctness 1,1,0,0 + format 0,.1,0,.1",
+        torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 0.0], [0.0, 0.1]]),
+        [1.0, 1.0],
+        4,
+    )
+    length = torch.randint(20, 300, (16,), generator=g).float()
+    yield (
+        "0/1 correctness + a length in [20, 300)",
+        torch.stack([coin(16), length], 1),
+        [1.0, 1.0],
+        4,
+    )
+    three = torch.stack(
+        [coin(16), torch.rand(16, generator=g), 10 * torch.rand(16, generator=g)], 1
+    )
+    yield "3 rewards, weights 1, 0.5, 2", three, [1.0, 0.5, 2.0], 4
+    flat = torch.stack([coin(16), torch.rand(16, generator=g)], 1)
+    flat[:4, 0], flat[4:8, 1] = 1.0, 0.25  # a group where each reward in turn is all equal
+    yield "a reward all equal within a group", flat, [1.0, 1.0], 4
+    yield "a penalty, weights 1, -0.5", torch.stack([coin(16), length / 100], 1), [1.0, -0.5], 4
+    wide = torch.stack(
+        [coin(64), 100 * torch.rand(64, generator=g), torch.rand(64, generator=g)], 1
+    )
+    yield "8 groups of G=8, 3 rewards", wide, [2.0, 1.0, 0.5], 8
+
+
+def parity_gdpo(model, tokenizer, tmp):
+    """GDPO's rows: for each gdpo_tables case, TRL's advantages (its own
+    _generate_and_score_completions, normalize_then_sum, the table's columns as its reward
+    functions and the weights as reward_weights) against grpo.gdpo_advantages on the same table.
+    Each row also says how far GDPO is from eq. 3's advantage of the weighted total
+    (group_advantages), so that no case passes where the two aggregations agree anyway."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = []
+    for name, table, weights, G in gdpo_tables():
+        N, K = table.shape
+
+        def column(k, table=table):
+            def reward(completions, **kwargs):  # TRL's call: one value per completion, in order
+                assert len(completions) == len(table)
+                return table[:, k].tolist()
+
+            reward.__name__ = f"reward_{k}"
+            return reward
+
+        args = GRPOConfig(
+            output_dir=tmp,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            per_device_train_batch_size=N,  # one generation batch: the whole table
+            num_generations=G,
+            max_completion_length=2,
+            beta=0.0,
+            use_vllm=False,
+            multi_objective_aggregation="normalize_then_sum",
+            reward_weights=weights,
+        )
+        trl_trainer = GRPOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=[column(k) for k in range(K)],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["w0"] * N}),
+            processing_class=tokenizer,
+        )
+        trl_trainer.model.train()  # its "train" mode: num_generations = G
+        inputs = [{"prompt": f"w{i // G} w{i // G + 1}"} for i in range(N)]  # each prompt G times
+        theirs = trl_trainer._generate_and_score_completions(inputs)["advantages"]
+        ours = grpo.gdpo_advantages(table.double(), weights, G)
+        summed = grpo.group_advantages((table.double() * torch.tensor(weights)).sum(1), G)
+        diff = (ours.double() - theirs.double()).abs().max().item()
+        largest = theirs.abs().max().item()
+        apart = (ours - summed).abs().max().item()
+        ok = diff <= GDPO_TOL * max(1.0, largest) and apart > 0.01
+        rows.append(
+            dict(
+                case=f"{name}, B={N // G} G={G}",
+                diff=diff,
+                largest=largest,
+                apart=apart,
+                ok=ok,
+            )
+        )
+    return rows
+
+
+def parity_model():
+    """The parity cases' tiny fp32 Llama (PARITY_SHAPE's vocabulary), its word-level tokenizer
+    and a temporary directory holding the model (TRL builds its reference model, beta > 0, with
+    from_pretrained(_name_or_path))."""
+    s = PARITY_SHAPE
+    model = demo.tiny_llama(
+        s["vocab"], 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2
+    )
+    tmp = tempfile.mkdtemp(prefix="bench_parity_")
+    model.save_pretrained(tmp)
+    model.config._name_or_path = tmp
+    return model, build_tokenizer(s["vocab"]), tmp
+
+
+def worker_gdpo(a):
+    """GDPO's rows alone (runs in the bench env; tests/test_vs_trl.py)."""
+    import trl
+
+    model, tokenizer, tmp = parity_model()
+    rows = parity_gdpo(model, tokenizer, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dict(rows=rows, trl=trl.__version__)
+
+
 # config.TRL_PRESET's flags against the GRPOConfig fields they stand for: name, or a function of
 # the defaults (a dict) for those that are not one field's value.
 TRL_PRESET_FIELDS = dict(
@@ -1644,15 +1788,7 @@ def worker_parity(a):
     entropies are from ours, and what each clip, cap and mask acts on."""
     import trl
 
-    s = PARITY_SHAPE
-    model = demo.tiny_llama(
-        s["vocab"], 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2
-    )
-    tokenizer = build_tokenizer(s["vocab"])
-    tmp = tempfile.mkdtemp(prefix="bench_parity_")
-    # TRL builds its reference model (beta > 0) with from_pretrained(_name_or_path)
-    model.save_pretrained(tmp)
-    model.config._name_or_path = tmp
+    model, tokenizer, tmp = parity_model()
     batch = parity_batch(model)
     n, mask = len(batch["advantages"]), batch["trl"]["completion_mask"]
     rows, cases = [], list(parity_cases())
@@ -1679,9 +1815,11 @@ def worker_parity(a):
             model, ids, attn, C, r.temperature, entropy=True, group_size=r.group_size
         )
     rows += parity_accumulation(model, tokenizer, tmp, batch)
+    gdpo = parity_gdpo(model, tokenizer, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     return dict(
         rows=rows,
+        gdpo=gdpo,
         trl=trl.__version__,
         params=sum(p.numel() for p in model.parameters()),
         logp_diff=((logps - batch["current"]) * mask).abs().max().item(),
@@ -1725,6 +1863,8 @@ def bench_parity(a):
         )
     failed = [row["case"] for row in r["rows"] if not row["ok"]]
     passed = len(r["rows"]) - len(failed)
+    print_gdpo(r["gdpo"])
+    failed += [f"GDPO {row['case']}" for row in r["gdpo"] if not row["ok"]]
     failed += [
         f"{level} {clip} clip never engages"
         for level, clips in r["engaged"].items()
@@ -1735,6 +1875,26 @@ def bench_parity(a):
     print(f"{passed}/{len(r['rows'])} cases pass ({time.perf_counter() - t0:.0f} s)")
     if failed:
         sys.exit(f"parity FAILED: {', '.join(failed)}")
+
+
+def print_gdpo(rows):
+    """GDPO's table (parity_gdpo's rows) and its count."""
+    print(
+        "GDPO (--multi-reward gdpo) vs TRL's normalize_then_sum, its own "
+        "GRPOTrainer._generate_and_score_completions on the same per-function rewards:"
+    )
+    width = max(len(row["case"]) for row in rows)
+    print(
+        f"{'reward table':<{width}}  {'max|Â ours - Â TRL|':>19}  {'max|Â|':>7}  "
+        f"{'GDPO - eq. 3':>12}  result (tol {GDPO_TOL:g})"
+    )
+    for row in rows:
+        print(
+            f"{row['case']:<{width}}  {row['diff']:>19.1e}  {row['largest']:>7.3f}  "
+            f"{row['apart']:>12.3f}  {'pass' if row['ok'] else 'FAIL'}"
+        )
+    passed = sum(row["ok"] for row in rows)
+    print(f"GDPO: {passed}/{len(rows)} reward tables agree with TRL's")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2025,7 +2185,11 @@ def main():
         return memory_table(a)
     if a.worker:
         work = dict(
-            logprobs=worker_logprobs, ours=worker_ours, trl=worker_trl, parity=worker_parity
+            logprobs=worker_logprobs,
+            ours=worker_ours,
+            trl=worker_trl,
+            parity=worker_parity,
+            gdpo=worker_gdpo,
         )[a.worker]
         print("RESULT " + json.dumps(work(a)), flush=True)
         return

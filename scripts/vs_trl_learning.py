@@ -89,6 +89,9 @@ UNMAPPED = {
     "fsdp": False,
     "max_prompt_length": None,
     "stop_when_zero_std": 0,
+    "kl_estimator": "k3",
+    "kl_in_reward": False,
+    "multi_reward": "sum",  # TRL's normalize_then_sum: not mapped (--task addition has one reward)
 }
 
 

@@ -9,7 +9,8 @@ a step meets them (a phase may run inside another: "optimizer" inside "update"):
               or the evaluation that may follow it)
   generate    sampling the G completions of each prompt (line 7; dynamic sampling's refills too)
   rewards     scoring them (line 8)
-  reference   π_ref's log-probs of the completions, for the KL term
+  reference   π_ref's log-probs of the completions, for the KL term (and π_θ's, without
+              gradient, for --kl-in-reward's k1)
   update      one optimizer update of π_θ on eq. 3 (line 11): forward, backward and optimizer
   optimizer   the optimizer's part of it: clipping, AdamW, the LR schedule
   evaluation  an evaluation on held-out questions (its generate calls are not "generate")

@@ -260,8 +260,11 @@ def step_metrics(
     )
 
 
-# What train.policy_update reports of the options that are on (the mismatch: first update only)
+# What train.policy_update reports of the options that are on (the mismatch: first update only),
+# and kl_penalty: --kl-in-reward's mean β Σ_t k1 subtracted from the rewards
+# (trainer.reward_with_kl)
 OPTION_METRICS = (
+    "dppo_dropped",
     "entropy_dropped",
     "off_policy_masked",
     "sampler_truncated",
@@ -269,6 +272,7 @@ OPTION_METRICS = (
     "mismatch_kl",
     "mismatch_max_ratio",
     "truncation_gap",
+    "kl_penalty",
 )
 
 

@@ -41,10 +41,16 @@ def fixed_completions(texts):
     written here."""
     calls = iter(texts)
 
-    def sample_rollouts(model, tokenizer, prompts, settings, group_size, amp=None, tools=None):
+    def sample_rollouts(
+        model, tokenizer, prompts, settings, group_size, amp=None, tools=None, rows=None
+    ):
         out = [t for _ in prompts for t in next(calls)]
         return types.SimpleNamespace(
-            texts=out, lengths=torch.full((len(out),), 3), tool_calls=None, tool_failure=None
+            texts=out,
+            lengths=torch.full((len(out),), 3),
+            tool_calls=None,
+            tool_failure=None,
+            environment_rewards=None,
         )
 
     return sample_rollouts

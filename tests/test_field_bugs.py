@@ -6,12 +6,15 @@ to fail without its guard.
 Most of these bugs are normalization: a loss divided by the wrong count once micro-batches (gradient
 accumulation), ranks (data parallelism) or masks enter. The invariant tested throughout: splitting
 a batch over micro-batches and ranks changes no loss and no gradient, for every aggregation
-(--loss-type grpo, dapo, dr_grpo) and every policy term (the clip, CISPO, SAPO, GSPO's sequence
-ratio). Ranks are simulated in one process: each rank's policy_update sees its own share of the
-rows, the all-reduced denominator and the world size, and DDP's all-reduce is the mean of the
-ranks' gradients.
+(--loss-type grpo, dapo, dr_grpo) and every policy term (the clip, CISPO, SAPO, DPPO's trust-region
+masks, GSPO's sequence ratio, the k2 KL estimator). Ranks are simulated in one process: each rank's
+policy_update sees its own share of the rows, the all-reduced denominator and the world size, and
+DDP's all-reduce is the mean of the ranks' gradients. The advantages of GDPO (--multi-reward gdpo)
+and of k1 in the reward (--kl-in-reward) are checked over 2 real gloo ranks (slow), and the flags
+end to end with micro-batches, μ = 2 and under torchrun.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -24,19 +27,32 @@ import grpo
 import sampling
 import trainer
 from helpers import (
+    NO_GPU,
     assert_same_run,
     read_metrics,
     run_tiny,
     tiny_argv,
     tiny_llama,
     tiny_rollouts,
+    torchrun,
     varied_reward,
 )
+from rewards import Reward
 from support import distributed
+from support.phases import NO_PHASES
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SURROGATES = ("clip", "cispo", "sapo")
 RATIO_LEVELS = ("token", "sequence")  # sequence: GSPO's ratio, one per completion
+# The objectives of issue 56 (settings): the k2 estimator in eq. 3's KL term, at both ratio
+# levels; DPPO's binary-TV and binary-KL masks (token ratios only: config.py refuses sequence ones),
+# with π_old as the behaviour policy or ("+sampler") the sampler's log-probs of the full softmax.
+OBJECTIVES = [(s, level) for s in SURROGATES + ("k2",) for level in RATIO_LEVELS] + [
+    ("dppo-tv", "token"),
+    ("dppo-kl", "token"),
+    ("dppo-tv+sampler", "token"),
+    ("dppo-kl+sampler", "token"),
+]
 
 
 def prefix_mask(lengths, width):
@@ -44,11 +60,32 @@ def prefix_mask(lengths, width):
     return torch.tensor([[int(t < n) for t in range(width)] for n in lengths])
 
 
-def settings(loss_type, surrogate="clip", ratio_level="token", beta=0.04, max_tokens=5):
-    """trainer.LossSettings: ε = 0.2, no ε_high, no dual clip, SAPO's default τ."""
+def settings(
+    loss_type, surrogate="clip", ratio_level="token", beta=0.04, max_tokens=5, dppo_scale=1 / 3
+):
+    """trainer.LossSettings: ε = 0.2, no ε_high, no dual clip, SAPO's default τ. surrogate: a
+    --surrogate value, or "k2" (the clip with the k2 estimator); DPPO's with config.DPPO_DELTAS'
+    thresholds times dppo_scale (the batches here hold a few dozen tokens: at the defaults some
+    would drop none). "+sampler": the same setting (the rollouts carry the behaviour policy)."""
+    surrogate = surrogate.removesuffix("+sampler")
+    extra = dict(kl_estimator="k2") if surrogate == "k2" else {}
+    if surrogate in config.DPPO_DELTAS:
+        extra["dppo_deltas"] = (config.DPPO_DELTAS[surrogate] * dppo_scale,) * 2
     return trainer.LossSettings(
-        0.2, None, beta, loss_type, ratio_level, max_tokens, None, surrogate
-    )
+        0.2, None, beta, loss_type, ratio_level, max_tokens, None,
+        "clip" if surrogate == "k2" else surrogate, **extra,
+    )  # fmt: skip
+
+
+def sampler_logps(old, seed=1):
+    """(the sampler's log-probs of the drawn tokens, log of the mass top-k/top-p kept) [N, T] for
+    the "+sampler" objectives: π_old moved by up to ±0.25 per token, and up to 0.1 cut, so that
+    DPPO's b (their sum) is neither π_old nor π_θ."""
+    gen = torch.Generator().manual_seed(seed)
+    shape, dtype = old.shape, old.dtype
+    kept = -0.1 * torch.rand(shape, generator=gen, dtype=dtype)
+    drawn = old + 0.25 * (2 * torch.rand(shape, generator=gen, dtype=dtype) - 1) - kept
+    return drawn.clamp(max=0), kept
 
 
 def updates_without_stepping(monkeypatch):
@@ -92,8 +129,7 @@ def policy_update(model, rollouts, advantages, objective, micro_batch_size, old=
 # PR #1249; verl PR #5798.
 
 
-@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-@pytest.mark.parametrize("surrogate", SURROGATES)
+@pytest.mark.parametrize("surrogate,ratio_level", OBJECTIVES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batch_losses_and_gradients_sum_to_the_full_batch_for_every_aggregation_and_surrogate(
     loss_type, surrogate, ratio_level
@@ -108,17 +144,23 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch_for_every_aggreg
     ref = logps.detach() - 0.5 * torch.rand(4, 5, generator=gen, dtype=torch.float64)
     advantages = torch.tensor([0.7, -0.7, 1.2, -1.2], dtype=torch.float64)
     rollouts = SimpleNamespace(completion_mask=mask, sampler_logps=None)
+    if surrogate.endswith("+sampler"):
+        rollouts.sampler_logps, rollouts.log_kept = sampler_logps(old)
     objective = settings(loss_type, surrogate, ratio_level)
     whole = grpo.loss_denominator(mask, loss_type, objective.max_tokens)
+    stats = {}
 
     def loss(rows):  # as policy_update calls it: the micro-batch's columns up to its longest
         keep = max(lengths[rows])
-        return trainer.micro_batch_loss(
+        loss, stats[rows.start, rows.stop] = trainer.micro_batch_loss(
             logps[rows, :keep], None, rollouts, rows, keep, advantages, old, ref, objective,
             None, whole,
-        )[0]  # fmt: skip
+        )  # fmt: skip
+        return loss
 
     full = loss(slice(0, 4))
+    if surrogate.startswith("dppo"):  # the trust region drops some of the 11 tokens, not all
+        assert 0 < stats[0, 4]["dppo_dropped"] < 11
     (full_grad,) = torch.autograd.grad(full, logps)
     parts = loss(slice(0, G)) + loss(slice(G, 2 * G))
     (parts_grad,) = torch.autograd.grad(parts, logps)
@@ -131,8 +173,7 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch_for_every_aggreg
 RANK_LENGTHS = [1, 5, 2, 2, 4, 3, 5, 5]  # rank 0: 10 tokens (6 + 4); rank 1: 17 (7 + 10)
 
 
-@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-@pytest.mark.parametrize("surrogate", SURROGATES)
+@pytest.mark.parametrize("surrogate,ratio_level", OBJECTIVES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_two_ranks_by_two_micro_batches_give_the_one_rank_gradient_for_every_aggregation(
     monkeypatch, loss_type, surrogate, ratio_level
@@ -150,11 +191,18 @@ def test_two_ranks_by_two_micro_batches_give_the_one_rank_gradient_for_every_agg
     # π_old and π_ref a fixed way off π_θ: ratios from 0.74 to 1.35, clipped and not
     shift = torch.tensor([0.3, -0.2, 0.1, -0.3, 0.25] * 8).view(8, 5)
     old, ref = now - shift, now + shift.flip(1)
+    if surrogate.endswith("+sampler"):  # DPPO's b: the sampler's, carried by the rollouts' rows
+        rollouts.sampler_logps, rollouts.log_kept = sampler_logps(old)
     advantages = torch.tensor([0.9, -0.9, 0.4, -0.4, 1.3, -1.3, 0.6, -0.6])
-    objective = settings(loss_type, surrogate, ratio_level)
+    # the untrained model gives every token p ≈ 0.01, so |p - b| ≤ 0.006: DPPO's δ at 1/75 and
+    # 1/200 of its defaults (TV 0.002, KL 2.5e-4) drop some tokens here
+    scale = {"dppo-tv": 1 / 75, "dppo-kl": 1 / 200}.get(surrogate.removesuffix("+sampler"), 1)
+    objective = settings(loss_type, surrogate, ratio_level, dppo_scale=scale)
     grads = updates_without_stepping(monkeypatch)
 
     whole = policy_update(model, rollouts, advantages, objective, 8, old, ref)[0]
+    if surrogate.startswith("dppo"):  # the trust region drops some of the 27 tokens, not all
+        assert 0 < whole["dppo_dropped"] < 1
     whole_denominator = grpo.loss_denominator(
         rollouts.completion_mask, loss_type, objective.max_tokens
     )
@@ -176,12 +224,149 @@ def test_two_ranks_by_two_micro_batches_give_the_one_rank_gradient_for_every_agg
         losses.append(stats["loss"])
     ddp = (grads[1] + grads[2]) / 2  # DDP's all-reduce: the mean over ranks
     # fp32, forwards over other batch shapes and sums in another order: the largest difference
-    # measured over the 18 cases is 6e-8, 2e-7 of the gradient's largest entry (0.14 to 0.47).
+    # measured over the 36 cases (18 before issue 56's k2 and DPPO joined, the same) is 6e-8, 2e-7
+    # of the gradient's largest entry (0.14 to 0.47).
     # atol: 1e-5 of the largest entry, 50 times that; a wrong scale is off by a factor (2, 4, or
     # a ratio of token counts such as 10/27)
     torch.testing.assert_close(ddp, grads[0], rtol=0, atol=1e-5 * grads[0].abs().max().item())
     # and the logged loss, the all-reduced sum of the ranks' losses, is the one-rank loss
     assert sum(losses) == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 56's advantages across ranks and its flags end to end: GDPO's last normalization is the
+# whole batch's (every rank's rewards gathered, as TRL gathers them); k1 in the reward is each
+# completion's own, its logged KL every rank's. Then each flag with micro-batches, μ = 2 and
+# torchrun.
+
+# two reward functions' values for RANK_LENGTHS' 8 completions (4 groups of 2)
+ISSUE_56_REWARDS = torch.tensor(
+    [[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0, 0.5, 4.0, 1.0, 1.5]]
+).T
+ISSUE_56_WEIGHTS = [1.0, 0.5]
+
+
+def issue_56_advantages(rank=0, world=1):
+    """This rank's share (rank r: groups 2r and 2r + 1; one process: all 4) of the advantages of
+    trainer.advantages_of under --multi-reward gdpo (ISSUE_56_REWARDS, weights 1 and 0.5) and under
+    --kl-in-reward (β = 0.5 on their weighted total; π_θ helpers' tiny Llama, π_ref another one),
+    with the penalized rewards and what trainer.reward_with_kl logs."""
+    rollouts = tiny_rollouts(prefix_mask(RANK_LENGTHS, 5), group_size=2)
+    rows = slice(4 * rank, 4 * rank + 4)
+    if world > 1:
+        rollouts = sampling.select_groups(rollouts, [2 * rank, 2 * rank + 1])
+    table = ISSUE_56_REWARDS[rows] if world > 1 else ISSUE_56_REWARDS
+    task = SimpleNamespace(
+        rewards=[Reward(name, None, w) for name, w in zip("ab", ISSUE_56_WEIGHTS)]
+    )
+    s = SimpleNamespace(
+        group_size=2, scale_rewards="group", multi_reward="gdpo", reward_kl_beta=0.5,
+        micro_batch_size=2, autocast_dtype=None, shared_prompt=True,
+    )  # fmt: skip
+    run = SimpleNamespace(settings=s, model=tiny_llama(), phases=NO_PHASES)
+    per_fn = {"a": table[:, 0], "b": table[:, 1]}
+    gdpo = trainer.advantages_of(run, task, rollouts, None, per_fn, {})
+    ref = sampling.frozen_logps(tiny_llama(seed=1), rollouts, 2)
+    total, logged = (table.double() * torch.tensor(ISSUE_56_WEIGHTS).double()).sum(1), {}
+    penalized = trainer.reward_with_kl(run, rollouts, total, ref, logged)
+    s.multi_reward = "sum"
+    kl = trainer.advantages_of(run, task, rollouts, penalized, per_fn, {})
+    return dict(gdpo=gdpo, kl=kl, total=total, penalized=penalized, logged=logged)
+
+
+def issue_56_worker(rank, world, init_file, out_dir):
+    """One gloo rank of the test below: its share's issue_56_advantages, saved."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.save(issue_56_advantages(rank, world), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes
+def test_gdpo_and_kl_in_reward_advantages_over_two_gloo_ranks_are_the_one_process_ones(
+    tmp_path, monkeypatch
+):
+    with monkeypatch.context() as m:  # as test_distributed's: the spawned ranks see no GPU
+        for name, value in NO_GPU.items():
+            m.setenv(name, value)
+        torch.multiprocessing.spawn(
+            issue_56_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2
+        )
+    alone = issue_56_advantages()
+    # not vacuous: GDPO is not eq. 3's advantage of the weighted total, the KL moves the rewards
+    assert (alone["gdpo"] - grpo.group_advantages(alone["total"], 2)).abs().max() > 0.1
+    assert (alone["penalized"] - alone["total"]).abs().min() > 1e-3
+    for rank in range(2):
+        got, rows = torch.load(tmp_path / f"rank{rank}.pt"), slice(4 * rank, 4 * rank + 4)
+        # GDPO: the same float32 rewards, gathered, through the same float64 statistics: equal
+        assert torch.equal(got["gdpo"], alone["gdpo"][rows])
+        # and not what one rank's rewards alone give (a per-rank batch normalization)
+        own = grpo.gdpo_advantages(ISSUE_56_REWARDS[rows], ISSUE_56_WEIGHTS, 2)
+        assert not torch.allclose(own, got["gdpo"], atol=1e-3)
+        # k1 in the reward: π_θ's forward over one group per micro-batch on both sides (fp32: the
+        # same shapes, so 1e-6 is rounding's room); the KL logged is both ranks' tokens'
+        torch.testing.assert_close(got["penalized"], alone["penalized"][rows], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got["kl"], alone["kl"][rows], rtol=0, atol=1e-5)
+        for key in ("kl", "kl_penalty"):
+            assert got["logged"][key] == pytest.approx(alone["logged"][key], rel=1e-5)
+
+
+def two_reward_run(out_dir, *extra):
+    """helpers.run_tiny with two rewards, varied_reward's and a second on another scale (weights 1
+    and 0.5), for --multi-reward gdpo."""
+    args = config.parse_args(tiny_argv(out_dir, "--overlong-buffer", "1", *extra))
+    task, model, tokenizer = trainer.setup(args)
+    second = Reward("tens", lambda c, a: [10.0 * (len(x) % 3) for x in c], 0.5)
+    task = dataclasses.replace(task, rewards=[task.rewards[0]._replace(fn=varied_reward), second])
+    return trainer.train(args, task, model, tokenizer)
+
+
+# DPPO's δ small enough to act in the second update (the first, against the sampler's own numbers,
+# drops nothing in fp32), as the untrained demo's p ≈ 0.02 moves by ~1e-3 in one update
+ISSUE_56_RUNS = {
+    "dppo-tv, k1 in the reward": "--surrogate dppo-tv --dppo-delta-low 2e-4 --kl-in-reward",
+    "dppo-kl, gdpo, k2": "--surrogate dppo-kl --dppo-delta-low 1e-6 --multi-reward gdpo "
+    "--kl-estimator k2",
+}
+
+
+@pytest.mark.slow  # end-to-end runs
+@pytest.mark.parametrize("flags", list(ISSUE_56_RUNS), ids=list(ISSUE_56_RUNS))
+def test_issue_56_flags_at_mu_2_give_the_same_step_in_micro_batches_of_one_group(tmp_path, flags):
+    """The demo's step (16 completions, μ = 2: the second update against π_old, DPPO's b the
+    sampler's log-probs) in 4 micro-batches of one group each and in one of all 16: the same
+    metrics (the two updates' mean loss, KL, gradient norm, shares) up to fp32 rounding. Not the
+    weights: AdamW's first steps move a parameter by about lr whatever its gradient's size, so a
+    gradient of rounding's size makes a difference of lr's. (In one step π_θ is still π_ref: k1 in
+    the reward is 0 here; the gloo test above has it away from 0.)"""
+    argv = [*ISSUE_56_RUNS[flags].split(), "--num-iterations", "2", "--reward-weights", "1,0.5"]
+    for micro in ("4", "16"):
+        two_reward_run(tmp_path / micro, *argv, "--micro-batch-size", micro)
+    (parts,), (whole,) = (read_metrics(tmp_path / m) for m in ("4", "16"))
+    keys = ["loss", "kl", "grad_norm", "dppo_dropped"] + ["kl_penalty"] * ("k1" in flags)
+    assert 0.1 < whole["dppo_dropped"] < 0.5  # the second update's mask acts (measured 0.34-0.37)
+    for key in keys:  # fp32 sums in another order: 1e-5 relative leaves room
+        assert parts[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), (key, parts, whole)
+
+
+@pytest.mark.slow  # torchrun, 2 gloo ranks
+def test_issue_56_flags_run_under_torchrun_and_log_once(tmp_path):
+    """trainer.py --demo on 2 ranks with every issue-56 flag that combines (two rewards for GDPO:
+    helpers' varied_reward and the overlong penalty), μ = 2 and micro-batches of one group: the
+    ranks agree on every collective (one log, its options' shares), and --kl-in-reward's run too."""
+    common = ["--steps", "2", "--demo-warmup-steps", "0", "--eval-every", "-1"]
+    common += ["--num-iterations", "2", "--micro-batch-size", "8", "--batch-size", "2"]
+    common += ["--gradient-accumulation-steps", "1"]
+    gdpo = ["--surrogate", "dppo-kl", "--multi-reward", "gdpo", "--kl-estimator", "k2"]
+    gdpo += ["--reward-fn", "helpers:varied_reward", "--overlong-buffer", "2"]
+    for name, flags in (("gdpo", gdpo), ("kl", ["--surrogate", "dppo-tv", "--kl-in-reward"])):
+        torchrun(tmp_path / name, *common, *flags)
+        rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        assert [r["step"] for r in rows] == [1, 2]  # one log: rank 0's
+        for row in rows:
+            assert math.isfinite(row["loss"]) and 0 <= row["dppo_dropped"] < 1
+            assert ("kl_penalty" in row) == (name == "kl")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,7 +440,9 @@ def test_a_completion_with_no_tokens_in_the_loss_keeps_its_reward_in_its_groups_
     group's, not that of the completions that fit the budget. OpenRLHF PR #1239 took the other
     way (the sibling leaves the statistics: here the other two would get -1.5 and +1.5)."""
     mask = prefix_mask([0, 2, 3], 4)  # the first completion: no token in the loss
-    run = SimpleNamespace(settings=SimpleNamespace(group_size=3, scale_rewards=scale))
+    run = SimpleNamespace(
+        settings=SimpleNamespace(group_size=3, scale_rewards=scale, multi_reward="sum")
+    )
     advantages = trainer.advantages_of(
         run, None, tiny_rollouts(mask, group_size=3), torch.tensor([100.0, 1.0, 4.0]), {}, {}
     )

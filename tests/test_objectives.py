@@ -282,6 +282,9 @@ def test_the_helper_and_the_rollouts_see_the_decodes_record():
 
 
 # --- a run: each option's share and the mismatch in metrics.jsonl
+MISMATCH = ["mismatch_kl", "mismatch_max_ratio", "truncation_gap"]
+
+
 @pytest.mark.parametrize(
     "extra, keys",
     [
@@ -299,6 +302,14 @@ def test_the_helper_and_the_rollouts_see_the_decodes_record():
         ),
         (["--log-mismatch"], ["mismatch_kl", "mismatch_max_ratio", "truncation_gap"]),
         (["--kl-bias-correction", "--num-iterations", "2"], []),
+        # DPPO keeps the sampler's log-probs (its behaviour policy), so the mismatch is logged too
+        (["--surrogate", "dppo-tv"], ["dppo_dropped", *MISMATCH]),
+        (
+            ["--surrogate", "dppo-kl", "--num-iterations", "2", "--dppo-delta-low", "1e-6"],
+            ["dppo_dropped", *MISMATCH],
+        ),
+        (["--kl-estimator", "k2"], []),
+        (["--kl-in-reward"], ["kl_penalty"]),
     ],
 )
 def test_a_run_with_each_option_logs_its_share_and_a_finite_loss(tmp_path, extra, keys):
@@ -316,6 +327,11 @@ def test_a_run_with_each_option_logs_its_share_and_a_finite_loss(tmp_path, extra
         assert row["sampler_truncated"] == 0
     if "off_policy_masked" in keys:  # δ = 0: the second iteration drops the completions with
         assert 0 < row["off_policy_masked"] <= 0.5  # Â < 0 that drifted at all (half: μ = 2)
+    if "dppo_dropped" in keys:  # b is the sampler's p to rounding: nothing in the first update;
+        # in the second (μ = 2, δ = 1e-6) the tokens the update pushed out (half at most: μ = 2)
+        assert (0 < row["dppo_dropped"] <= 0.5) == ("--num-iterations" in extra)
+    if "kl_penalty" in keys:  # one step: π_θ is π_ref, down the same forward, so exactly 0
+        assert row["kl_penalty"] == 0 and row["kl"] == 0
 
 
 # --- the demo learns with each objective
@@ -353,3 +369,32 @@ def test_the_demo_learns_with_each_objective(tmp_path, extra, steps, gain):
         assert max(r["off_policy_masked"] for r in rows) > 0
     if "--top-entropy-quantile" in extra:
         assert all(0.7 < r["entropy_dropped"] < 0.85 for r in rows)
+
+
+# --- DPPO's behaviour policy in the loop (issue 56)
+def test_dppo_drops_by_the_samplers_full_softmax_probability_else_pi_old():
+    """policy_weights' b for --surrogate dppo-tv: the sampler's log-prob of the full tempered
+    softmax (drawn + log_kept), the distribution π_θ's p is of; without sampler log-probs, π_old.
+    One token, Â > 0, p = 0.5, δ = 0.15: drawn 0.5 with 0.6 of the mass kept is b = 0.3 (p - b
+    = 0.2: dropped), where the drawn 0.5 alone (p - b = 0) would keep it; π_old 0.3 drops it too,
+    π_old 0.4 (0.1) keeps it."""
+    objective = trainer.LossSettings(
+        0.2, None, 0.0, "grpo", "token", 1, None, "dppo-tv", dppo_deltas=(0.15, 0.15)
+    )
+
+    def log(p):
+        return torch.tensor([[math.log(p)]])
+
+    logps, mask, adv = log(0.5), torch.ones(1, 1), torch.tensor([1.0])
+
+    def kept(old, sampler=None, log_kept=None):
+        weights, stats = trainer.policy_weights(
+            objective, None, logps, None, old, sampler, adv, mask, log_kept
+        )
+        assert stats["dppo_dropped"] == int(weights.item() == 0)
+        return weights.item()
+
+    assert kept(None, log(0.5), log(0.6)) == 0  # b = 0.5 x 0.6 = 0.3
+    assert kept(None, log(0.5), log(1.0)) == 1  # nothing cut: b = 0.5 = p
+    assert kept(log(0.3)) == 0 and kept(log(0.4)) == 1  # π_old as b
+    assert kept(None) == 1  # μ = 1 without sampler log-probs: b = p (config.py refuses it)

@@ -422,3 +422,172 @@ def test_no_gradient_checkpointing_is_a_flag_of_both_files_and_off_on_the_cpu(en
     assert parse([*argv]).gradient_checkpointing is False  # unset, on the CPU: off
     assert parse([*argv, "--gradient-checkpointing"]).gradient_checkpointing is True
     assert parse([*argv, "--no-gradient-checkpointing"]).gradient_checkpointing is False
+
+
+# --- issue 56's flags: DPPO (--surrogate dppo-tv|dppo-kl), GDPO (--multi-reward gdpo), the KL's
+# estimator and place (--kl-estimator, --kl-in-reward); each bad combination one line
+# ------------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dppo-delta-low", "0.1"], "--dppo-delta-low does nothing with --surrogate clip: drop it"),
+        (["--surrogate", "sapo", "--dppo-delta-high", "0.1"], "--dppo-delta-high does nothing with --surrogate sapo"),
+        (["--surrogate", "dppo-tv", "--delta", "2"], "--delta does nothing with --surrogate dppo-tv"),
+        (["--surrogate", "dppo-kl", "--epsilon-high", "0.28"], "--epsilon-high does nothing with --surrogate dppo-kl"),
+        (["--surrogate", "dppo-kl", "--dppo-delta-low", "0"], "--dppo-delta-low must be a finite number > 0, got 0.0."),
+        (["--surrogate", "dppo-tv", "--dppo-delta-high", "nan"], "--dppo-delta-high must be a finite number > 0"),
+        (
+            ["--surrogate", "dppo-tv", "--dppo-delta-high", "1"],
+            "--dppo-delta-high 1 drops nothing with --surrogate dppo-tv: p and b are probabilities, "
+            "so |p - b| stays below 1. Give a value below 1 (verl's examples use 0.15).",
+        ),
+        (
+            ["--surrogate", "dppo-kl", "--ratio-level", "sequence"],
+            "--surrogate dppo-kl drops each token by its own probability; with --ratio-level sequence "
+            "every token's term carries its whole completion's ratio, so a dropped token would still "
+            "move through the others'. Use --ratio-level token.",
+        ),
+        (
+            ["--surrogate", "dppo-tv", "--num-beams", "4"],
+            "--surrogate dppo-tv at --num-iterations 1 needs the sampler's log-probs as its behaviour "
+            "policy (pi_old is pi_theta there: the trust region would drop nothing), and with "
+            "--num-beams transformers' generate() decodes, which does not keep them. Give "
+            "--num-iterations 2 or more (pi_old is then the behaviour policy), or drop --num-beams.",
+        ),
+        (
+            ["--kl-in-reward", "--beta", "0"],
+            "--kl-in-reward subtracts beta times each completion's KL from its reward; at --beta 0 "
+            "there is nothing to subtract: give --beta > 0, or drop --kl-in-reward.",
+        ),
+        (
+            ["--kl-estimator", "k2", "--beta", "0"],
+            "--kl-estimator k2 chooses the loss's KL estimator; at --beta 0 there is no KL term: drop "
+            "--kl-estimator.",
+        ),
+        (
+            ["--kl-estimator", "k2", "--kl-in-reward"],
+            "--kl-estimator k2 chooses the loss's KL estimator; with --kl-in-reward the KL is k1 in the "
+            "reward and the loss has no KL term: drop --kl-estimator.",
+        ),
+        (
+            ["--kl-bias-correction", "--kl-in-reward"],
+            "--kl-bias-correction multiplies the loss's k3 by the ratio (DeepSeek-V3.2's eq. 7, for "
+            "k3); with --kl-in-reward the loss has no KL term to correct. Drop --kl-bias-correction "
+            "(--no-kl-bias-correction under --preset).",
+        ),
+        (
+            ["--kl-bias-correction", "--kl-estimator", "k2"],
+            "--kl-bias-correction multiplies the loss's k3 by the ratio (DeepSeek-V3.2's eq. 7, for "
+            "k3); k2's gradient is already the reverse KL's, and r * k2's would be that of E[k2], not "
+            "of the KL. Drop --kl-bias-correction (--no-kl-bias-correction under --preset).",
+        ),
+        (
+            ["--multi-reward", "gdpo", "--scale-rewards", "batch"],
+            "--scale-rewards batch does not combine with --multi-reward gdpo: GDPO divides each reward "
+            "by its group's std, then the weighted sum by the batch's. Drop one of them.",
+        ),
+        (
+            ["--multi-reward", "gdpo", "--dynamic-sampling"],
+            "--dynamic-sampling does not combine with --multi-reward gdpo: it keeps the groups whose "
+            "total rewards differ, and GDPO's advantages come from each reward's own spread, which "
+            "the total does not show. Drop one of them.",
+        ),
+        (
+            ["--multi-reward", "gdpo", "--kl-in-reward"],
+            "--kl-in-reward does not combine with --multi-reward gdpo: it subtracts the KL from the "
+            "weighted total reward, which GDPO never forms (each reward is normalized on its own). "
+            "Drop one of them.",
+        ),
+    ],
+)  # fmt: skip
+def test_issue_56_flags_that_cannot_work_are_refused_in_one_line_before_any_model_loads(
+    tmp_path, extra, message
+):
+    said = refusal(tiny_argv(tmp_path, *extra))
+    assert said.startswith(message) and "\n" not in said
+
+
+def test_dppo_at_mu_1_under_fsdp_is_refused_and_at_mu_2_runs_against_pi_old(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = tiny_argv(tmp_path, "--surrogate", "dppo-kl", "--fsdp")
+    assert "with --fsdp transformers' generate() decodes" in refusal(argv)
+    args = config.parse_args([*argv, "--num-iterations", "2"])
+    # generate() keeps no sampler log-probs: DPPO's behaviour policy is π_old
+    assert not trainer.rollout_sampling(args).keep_logps
+
+
+def test_the_kl_bias_correction_a_preset_set_is_refused_with_k2_naming_the_preset(tmp_path):
+    argv = [*CPU, "--preset", "trl", "--beta", "0.04", "--kl-estimator", "k2"]
+    said = refusal([*argv, "--output-dir", str(tmp_path)])
+    assert said.startswith("--kl-bias-correction multiplies the loss's k3 by the ratio")
+    assert "(--preset trl (TRL 1.16 GRPOConfig's defaults) set: " in said and "\n" not in said
+    args = config.parse_args([*argv, "--no-kl-bias-correction", "--output-dir", str(tmp_path)])
+    assert trainer.LossSettings.of(args).kl_estimator == "k2"
+
+
+def test_issue_56_flags_reach_the_settings_of_the_loss_the_advantages_and_the_decode(tmp_path):
+    def parsed(*extra):
+        args = config.parse_args(tiny_argv(tmp_path, *extra))
+        return trainer.LossSettings.of(args), trainer.Settings.of(args)
+
+    loss, run = parsed()  # the defaults: eq. 3 as the paper has it
+    assert (loss.surrogate, loss.dppo_deltas, loss.kl_estimator) == ("clip", (), "k3")
+    assert loss.beta == 0.04
+    assert (run.multi_reward, run.reward_kl_beta, run.sampling.keep_logps) == ("sum", 0.0, False)
+    # DPPO: its thresholds (verl's examples' where not given; a low one alone sets both), and the
+    # decode keeps the sampler's log-probs, its behaviour policy
+    for surrogate, deltas in (("dppo-tv", (0.15, 0.15)), ("dppo-kl", (0.05, 0.05))):
+        loss, run = parsed("--surrogate", surrogate)
+        assert loss.dppo_deltas == deltas and run.sampling.keep_logps
+        assert trainer.policy_term(loss) is grpo.dppo_objective
+    loss, _ = parsed("--surrogate", "dppo-tv", "--dppo-delta-low", "0.1")
+    assert loss.dppo_deltas == (0.1, 0.1)
+    loss, _ = parsed("--surrogate", "dppo-kl", "--dppo-delta-low", ".1", "--dppo-delta-high", ".2")
+    assert loss.dppo_deltas == (0.1, 0.2)
+    # μ > 1 under beam search: no sampler log-probs, π_old is b
+    _, run = parsed("--surrogate", "dppo-tv", "--num-beams", "4", "--num-iterations", "2")
+    assert not run.sampling.keep_logps
+    loss, _ = parsed("--kl-estimator", "k2")
+    assert (loss.kl_estimator, loss.beta) == ("k2", 0.04)
+    # k1 in the reward: the demo's β moves to the reward, the loss has none
+    loss, run = parsed("--kl-in-reward")
+    assert (loss.beta, run.reward_kl_beta) == (0.0, 0.04)
+    _, run = parsed("--multi-reward", "gdpo")
+    assert run.multi_reward == "gdpo"
+
+
+def test_gdpo_with_one_reward_is_refused_when_the_task_is_loaded_and_runs_with_two(tmp_path):
+    # --task addition scores one reward (correctness); --overlong-buffer adds a second
+    argv = [*CPU, "--task", "addition", "--output-dir", str(tmp_path), "--multi-reward", "gdpo"]
+    with pytest.raises(config.UserError) as stop:
+        trainer.load_task(config.parse_args(argv))
+    assert str(stop.value) == (
+        "--multi-reward gdpo normalizes each reward in its group before summing them; with one "
+        "reward (correctness) that is eq. 3's advantage normalized once more over the batch. Add a "
+        "reward (--reward-fn, --reward-model, --overlong-buffer), or drop --multi-reward."
+    )
+    task = trainer.load_task(config.parse_args([*argv, "--overlong-buffer", "8"]))
+    assert [r.name for r in task.rewards] == ["correctness", "overlong"]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(multi_reward="gdpo"), "--multi-reward gdpo normalizes each reward function's one number"),
+        (dict(kl_in_reward=True), "--kl-in-reward subtracts beta times the KL from each completion's"),
+    ],
+)  # fmt: skip
+def test_gdpo_and_kl_in_reward_with_a_process_reward_are_refused_at_its_first_steps(
+    settings, message
+):
+    # A process reward is known once it returns steps (the first step's scoring): trainer.
+    # advantages_of checks then, as for --scale-rewards and --dynamic-sampling.
+    import process_supervision
+
+    with pytest.raises(config.UserError) as stop:
+        process_supervision.check_settings(**settings)
+    said = str(stop.value)
+    assert said.startswith(message) and "return one number per completion" in said
+    assert "\n" not in said

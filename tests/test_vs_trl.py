@@ -4,6 +4,7 @@ are the flags' meaning; the table and plot from evaluation logs. TRL itself runs
 BENCH_PYTHON names a Python that has it (the benchmark's environment): that test skips otherwise."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -263,3 +264,31 @@ def test_trl_side_trains_two_steps_on_our_prompts_and_saves_models_transformers_
     assert seen == want
     for step in (1, 2):
         AutoModelForCausalLM.from_pretrained(out / f"checkpoint-{step}")
+
+
+# --- GDPO against TRL's own normalize_then_sum (issue 56, item 4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("BENCH_PYTHON") and importlib.util.find_spec("trl") is None,
+    reason="TRL runs only under BENCH_PYTHON (e.g. BENCH_PYTHON=benchvenv/bin/python), or where "
+    "this Python imports trl",
+)
+def test_gdpo_advantages_are_trls_normalize_then_sum_run_by_its_own_trainer():
+    # scripts/bench.py's GDPO rows, in the bench env (bench --parity prints them too): TRL's
+    # GRPOTrainer._generate_and_score_completions with multi_objective_aggregation=
+    # "normalize_then_sum" on six reward tables (1 to 3 functions' worth of scales and weights, a
+    # reward all equal in a group, a negative weight, 8 groups of 8), against grpo.gdpo_advantages.
+    # TRL computes in float32, ours in float64: measured 4.6e-8 to 4.8e-7 (trl 1.16.0,
+    # 2026-11-27); asked 1e-5 of max(1, |Â|), PARITY_TOL's bound (bench.GDPO_TOL's comment).
+    python = os.environ.get("BENCH_PYTHON", sys.executable)
+    cmd = [python, "-m", "scripts.bench", "--worker", "gdpo", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    rows = json.loads(line[len("RESULT ") :])["rows"]
+    assert len(rows) == 6 and [r["case"] for r in rows if not r["ok"]] == []
+    assert max(r["diff"] for r in rows) < 1e-5  # every |Â| here is below 3: the bound is 1e-5
+    assert min(r["apart"] for r in rows) > 0.5  # GDPO is not eq. 3's advantage on any table
