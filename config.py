@@ -389,11 +389,14 @@ def build_parser():
         help="recompute activations in backward: less memory, ~30%% more time. Not given: on CUDA "
         "the run's memory plan turns it on where the card needs it (docs/gpu.md), off on the CPU",
     )
-    flag(g, "--decode", "auto", choices=["auto", "graphs", "eager"])(
+    flag(g, "--decode", "auto", choices=["auto", "graphs", "fused", "eager"])(
         "the decode step of the rollouts and evaluations: graphs, captured once per generate call "
-        "as a CUDA graph and replayed for every token (no compiler); eager, one kernel launch per "
-        "op. auto: graphs on CUDA (eager with --compile, whose decode is compiled, and where "
-        "transformers' generate() decodes: --fsdp, --num-beams), eager on the CPU"
+        "as a CUDA graph and replayed for every token (no compiler); fused, its decoder layers "
+        "through one torch.compile graph shared by every layer (compiled once per process), then "
+        "captured as graphs is (on the CPU: compiled, not captured; Llama-layout models, others "
+        "decode as graphs); eager, one kernel launch per op. auto: graphs on CUDA (eager with "
+        "--compile, whose decode is compiled, and where transformers' generate() decodes: --fsdp, "
+        "--num-beams), eager on the CPU"
     )
     flag(g, "--compile", None, nargs="?", const="inductor", metavar="BACKEND")(
         "torch.compile the decode step (fixed shapes, static KV cache; CUDA graphs on a GPU) and "
@@ -628,7 +631,8 @@ def parse_args(argv=None):
 
 
 def resolve_decode(args):
-    """--decode auto -> graphs on CUDA where the lean decode runs, else eager; graphs asked for
+    """--decode auto -> graphs on CUDA where the lean decode runs, else eager (fused is asked
+    for, until a GPU lease measures it faster than graphs: docs/gpu.md); graphs or fused asked for
     where it cannot run: a UserError."""
     generate_decodes = args.fsdp or args.num_beams > 1  # transformers' generate(), not our loop
     if args.decode == "auto":
@@ -637,16 +641,18 @@ def resolve_decode(args):
         if cuda and generate_decodes and os.environ.get("RANK", "0") == "0":  # said once
             why = "--fsdp" if args.fsdp else "--num-beams"
             print(f"decode: eager, not CUDA graphs: with {why} transformers' generate() decodes")
-    elif args.decode == "graphs" and (args.device != "cuda" or args.compile or generate_decodes):
+    elif args.decode in ("graphs", "fused") and (
+        (args.device != "cuda" and args.decode == "graphs") or args.compile or generate_decodes
+    ):  # fused runs on the CPU too: its compiled step, without a CUDA graph
         why = (
             "needs a CUDA device"
-            if args.device != "cuda"
+            if args.device != "cuda" and args.decode == "graphs"
             else "does not combine with --compile (its decode is compiled)"
             if args.compile
-            else f"has no decode loop to capture with {'--fsdp' if args.fsdp else '--num-beams'} "
-            "(transformers' generate() decodes)"
+            else f"has no decode loop to {'capture' if args.decode == 'graphs' else 'compile'} "
+            f"with {'--fsdp' if args.fsdp else '--num-beams'} (transformers' generate() decodes)"
         )
-        raise UserError(f"--decode graphs {why}; drop it (auto picks what runs).")
+        raise UserError(f"--decode {args.decode} {why}; drop it (auto picks what runs).")
 
 
 def preset_line(args):

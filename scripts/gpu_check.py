@@ -13,9 +13,9 @@ depend on the weights, and none can be downloaded there) and runs trainer.py's o
 default flags (G = 8, 4 prompts per step, 300 new tokens, beta = 0.04, bf16 autocast over fp32
 master weights) for 3 steps, with an evaluation on 16 questions before and after, on real GSM8K
 prompts. It reports seconds and peak memory per phase (timed through trainer.train's phase hook,
-support/phases.py), whether the run fits a 40 GB card, and decode ms/token at 32 rows, eager and
-compiled, against the memory-bandwidth floor; --out FILE saves it as JSON. Exit code 1 if the run
-or the decode timing failed.
+support/phases.py), whether the run fits a 40 GB card, and decode ms/token at 32 rows, eager, CUDA
+graphs, fused (--decode fused) and compiled, against the memory-bandwidth floor; --out FILE saves it
+as JSON. Exit code 1 if the run or the decode timing failed (fused's failure included).
 
 gpu_kit/ (git-ignored) travels with the checkout: SmolLM2's tokenizer (the same for every size) and
 the first 64 train / 32 test rows of GSM8K (a few MiB). The run reads --data
@@ -368,10 +368,10 @@ def measure(fn, meter):
 
 def decode_check(model, tokenizer, task, args, opts, meter):
     """ms per new token of decode.generate at opts.rows rows (rows / G prompts of the kit, built as
-    the loop builds them), EOS never drawn, eager then compiled (sampling.compile_model +
-    plan_decode): a warm-up call, then a timed one, whose seconds over max_new are the ms per token
-    (its one prefill included). generate runs under the run's autocast (amp), as sample_rollouts
-    runs it."""
+    the loop builds them), EOS never drawn: eager, CUDA graphs (on CUDA), fused (fused_check) and
+    compiled (sampling.compile_model + plan_decode), each a warm-up call, then a timed one, whose
+    seconds over max_new are the ms per token (its one prefill included). generate runs under the
+    run's autocast (amp), as sample_rollouts runs it."""
     G, max_new = args.num_generations, opts.max_new_tokens or args.max_new_tokens
     if opts.rows % G or opts.rows // G > len(task.train):
         raise config.UserError(
@@ -385,12 +385,12 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     lengths = torch.full((opts.rows,), max_new + 1, device=ids.device)
     eos, amp = sampling.eos_token_ids(model, tokenizer), trainer.Settings.of(args).autocast_dtype
 
-    def generate(graphs=False):  # as sample_rollouts runs it: under the run's autocast
+    def generate(mode="eager"):  # as sample_rollouts runs it: under the run's autocast
         with (
             sampling.autocast(ids.device, amp),
             bench.forced_lengths_in_decode(model, lengths, eos),
         ):
-            how = dataclasses.replace(settings, graphs=graphs)
+            how = decode_mode(settings, mode)
             return decode.generate(model, ids, mask, how, G, eos, tokenizer.pad_token_id)
 
     result = dict(
@@ -408,14 +408,17 @@ def decode_check(model, tokenizer, task, args, opts, meter):
         f"decode wrote {tuple(out.shape)}, not {opts.rows} x {max_new}"
     )
     result["eager_ms_per_token"] = 1000 * seconds / max_new
+    greedy = dataclasses.replace(settings, temperature=0.0)
     if ids.is_cuda:  # --decode graphs, the default on CUDA: captured at every call
-        first, out, _ = measure(lambda: generate(graphs=True), meter)
-        seconds, again, result["graphs_peak_bytes"] = measure(lambda: generate(graphs=True), meter)
+        first, out, _ = measure(lambda: generate("graphs"), meter)
+        seconds, again, result["graphs_peak_bytes"] = measure(lambda: generate("graphs"), meter)
         result["graphs_first_call_seconds"] = first
         result["graphs_ms_per_token"] = 1000 * seconds / max_new
         result["graphs_capture_seconds"] = capture_seconds(model, ids, mask, settings, G, eos, amp)
-        greedy = dataclasses.replace(settings, temperature=0.0)
         result["graphs_greedy"] = greedy_agreement(model, ids, mask, greedy, G, eos, tokenizer, amp)
+    if not opts.skip_fused:  # --decode fused: compiled once per process, captured on CUDA
+        how = (settings, G, eos, tokenizer, amp, opts, meter, generate)
+        result.update(fused_check(model, ids, mask, *how))
     if not opts.skip_compile:
         sampling.compile_model(model, opts.compile_backend)
         decode.plan_decode(model, rows=[opts.rows], length=result["cache_length"])
@@ -428,46 +431,88 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     return result
 
 
-def capture_seconds(model, ids, mask, settings, G, eos, amp):
+def decode_mode(settings, mode):
+    """settings for one decode mode: "eager", "graphs" or "fused" (--decode's), whatever the run's
+    flags chose."""
+    return dataclasses.replace(settings, graphs=mode == "graphs", fused=mode == "fused")
+
+
+def fused_check(model, ids, mask, settings, G, eos, tokenizer, amp, opts, meter, generate):
+    """--decode fused, measured as graphs is: ms per token of a warm call, its compile seconds (the
+    process's first fused call, which compiles the shared decoder layer, less the next: one compile
+    per process, the prompt length and the rows being dynamic), on CUDA its capture seconds per
+    call, and its greedy agreement with eager. The backend: --compile-backend's (inductor on CUDA;
+    aot_eager on the CPU, where this is the smoke test of the check itself). A failure is reported
+    beside the other modes' numbers (fused_error), not instead of them."""
+    out = {"fused_backend": opts.compile_backend}
+    saved, decode.FUSED_BACKEND = decode.FUSED_BACKEND, opts.compile_backend
+    try:
+        first = measure(lambda: generate("fused"), meter)[0]  # compiles the shared layer
+        seconds, tokens, out["fused_peak_bytes"] = measure(lambda: generate("fused"), meter)
+        # (bench's forced lengths hook the model's forward, which fused runs for the prefill only:
+        # its rows may draw EOS, but they all stay in the batch, so the timing is the same)
+        rows, new = ids.shape[0] * G, settings.max_new_tokens
+        assert tokens.shape == (rows, new), f"fused wrote {tuple(tokens.shape)}, not {rows} x {new}"
+        out["fused_first_call_seconds"], out["fused_compile_seconds"] = first, first - seconds
+        out["fused_ms_per_token"] = 1000 * seconds / settings.max_new_tokens
+        if ids.is_cuda:
+            out["fused_capture_seconds"] = capture_seconds(
+                model, ids, mask, settings, G, eos, amp, "fused"
+            )
+        greedy = dataclasses.replace(settings, temperature=0.0)
+        out["fused_greedy"] = greedy_agreement(
+            model, ids, mask, greedy, G, eos, tokenizer, amp, "fused"
+        )
+    except Exception as e:  # noqa: BLE001 (said, and the other modes' numbers kept)
+        traceback.print_exc()
+        out["fused_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    finally:
+        decode.FUSED_BACKEND = saved
+    return out
+
+
+def capture_seconds(model, ids, mask, settings, G, eos, amp, mode="graphs"):
     """Seconds a decode call spends capturing its graph: a 2-token call with graphs (prefill, the
-    eager first step, the capture, one replay) less the same call eager (prefill, two steps)."""
+    first step run outside the graph, the capture, one replay) less the same call eager (prefill,
+    two steps). mode "fused": its compiled step captured (compiled already, by an earlier call)."""
     short = dataclasses.replace(settings, max_new_tokens=3)
     pad = eos[0]
     times = {}
-    for graphs in (False, True, False, True):
-        how = dataclasses.replace(short, graphs=graphs)
+    for captured in ("eager", mode, "eager", mode):
+        how = decode_mode(short, captured)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with sampling.autocast(ids.device, amp):
             decode.generate(model, ids, mask, how, G, [-1], pad)
         torch.cuda.synchronize()
-        times[graphs] = time.perf_counter() - t0  # the second of each: warm
-    return times[True] - times[False]
+        times[captured] = time.perf_counter() - t0  # the second of each: warm
+    return times[mode] - times["eager"]
 
 
-def greedy_agreement(model, ids, mask, greedy, G, eos, tokenizer, amp):
-    """The CUDA-graph decode against the eager one, greedy (temperature 0), EOS never drawn: how
-    many leading tokens every row shares, of how many, and the largest logit difference of the
-    first 16 steps, read by a forward hook on the graphs' twin and the eager model alike."""
+def greedy_agreement(model, ids, mask, greedy, G, eos, tokenizer, amp, mode="graphs"):
+    """The CUDA-graph (or fused) decode against the eager one, greedy (temperature 0), EOS never
+    drawn: how many leading tokens every row shares, of how many, and the largest logit difference
+    of the first steps, read by a forward hook on the lm-head of the twin and the eager model
+    alike (fused runs the layers itself, not the model's forward)."""
     seen = {}
 
-    def run(graphs):
+    def run(mode):
         logits = []
 
-        def hook(module, args, kwargs, output):
+        def hook(module, args, output):
             if len(logits) < 16:
-                logits.append(output.logits[:, -1].float().clone())
+                logits.append(output[:, -1].float().clone())
 
-        handle = model.register_forward_hook(hook, with_kwargs=True)
+        handle = model.get_output_embeddings().register_forward_hook(hook)
         try:
-            how = dataclasses.replace(greedy, graphs=graphs)
+            how = decode_mode(greedy, mode)
             with sampling.autocast(ids.device, amp):
                 out = decode.generate(model, ids, mask, how, G, [-1], tokenizer.pad_token_id)
         finally:
             handle.remove()
         return out, logits
 
-    (eager, eager_logits), (graphs, graph_logits) = run(False), run(True)
+    (eager, eager_logits), (graphs, graph_logits) = run("eager"), run(mode)
     same = (eager == graphs).all(0)
     agree = int(same.long().cumprod(0).sum())
     # the graph replays no Python: its hook saw the warm-up step and the capture only
@@ -523,7 +568,7 @@ def decode_floor(model, timing, amp, bandwidth):
     floor = 1000 * (weights + kv) / bandwidth
     ratios = {
         f"{k}_over_floor": timing[f"{k}_ms_per_token"] / floor
-        for k in ("eager", "graphs", "compiled")
+        for k in ("eager", "graphs", "fused", "compiled")
         if f"{k}_ms_per_token" in timing
     }
     return dict(
@@ -688,6 +733,21 @@ def print_decode(report):
             f"greedy: {g['tokens_equal']} of {g['of']} tokens equal to eager's, logits within "
             f"{g['max_logit_diff_first_steps']:.3g})"
         )
+    if "fused_error" in d:
+        print(f"  fused     FAILED ({d['fused_error']})")
+    elif "fused_ms_per_token" in d:
+        g = d["fused_greedy"]
+        capture = (
+            f"capture {d['fused_capture_seconds']:.2f} s per call"
+            if "fused_capture_seconds" in d
+            else "not captured on the CPU"
+        )
+        print(
+            f"  fused     {d['fused_ms_per_token']:8.2f} ms/token  {f['fused_over_floor']:6.1f}x the floor "
+            f"({d['fused_backend']}, compiled in {d['fused_compile_seconds']:.1f} s once per process; {capture}; "
+            f"first call {d['fused_first_call_seconds']:.2f} s; greedy: {g['tokens_equal']} of {g['of']} tokens "
+            f"equal to eager's, logits within {g['max_logit_diff_first_steps']:.3g})"
+        )
     if "compiled_ms_per_token" in d:
         print(
             f"  compiled  {d['compiled_ms_per_token']:8.2f} ms/token  {f['compiled_over_floor']:6.1f}x the floor "
@@ -782,7 +842,8 @@ def parse(argv):
         default=None,
         help="decode timing: torch.compile backend; if not given, inductor on CUDA, aot_eager on CPU",
     )
-    p.add_argument("--skip-compile", action="store_true", help="decode timing: eager only")
+    p.add_argument("--skip-compile", action="store_true", help="decode timing: no --compile")
+    p.add_argument("--skip-fused", action="store_true", help="decode timing: no --decode fused")
     p.add_argument("--skip-decode", action="store_true", help="no decode timing: the run alone")
     p.add_argument(
         "--card-gb",
@@ -837,7 +898,7 @@ def check(opts, train_argv, command):
         baseline_bytes=baseline, model=predicted_phases(args, opts.config, tokenizer, task)
     )
     report.update(decode_report(model, tokenizer, task, args, opts, meter, bandwidth))
-    report["ok"] = run["ok"] and "error" not in report["decode"]
+    report["ok"] = run["ok"] and not {"error", "fused_error"} & set(report["decode"])
     return report
 
 

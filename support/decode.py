@@ -9,6 +9,8 @@ plain_decode lean_decode without the trainer's options (tools, kept log-probs, -
              train.py runs, the same tokens
 graphs       the decode step captured as a CUDA graph, replayed for every token (GraphStep): the
              default on CUDA, with no compiler
+fused        the decoder layers through one compiled graph shared by every layer (FusedStep), that
+             step captured as graphs is (--decode fused; on the CPU compiled, not captured)
 --compile    the decode step compiled for a few planned shapes (plan_decode), reading a twin of the
              model whose Linear weights are already in the compute dtype (decode_twin)
 """
@@ -36,7 +38,7 @@ def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, 
     its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p), and a
     row that wrote EOS leaves the batch. A model without a static cache goes to generate(), and so
     does the CUDA-graph decode (--decode graphs, CUDA's default: lean_decode's GraphStep)."""
-    if not uses_lean_decode(model, settings) or settings.graphs:  # generate(): lean_decode's graphs
+    if not uses_lean_decode(model, settings) or settings.graphs or settings.fused:  # via generate()
         return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, key, was_training = B * G, cache_keyword(model), model.training
@@ -124,8 +126,10 @@ def generate(
 
 def uses_graphs(settings, device):
     """Whether lean_decode() replays its step as a CUDA graph (GraphStep): --decode graphs, the
-    default on CUDA (config.py), and a CUDA device."""
-    return settings.graphs and torch.device(device).type == "cuda"
+    default on CUDA (config.py), or --decode fused (its compiled step captured), and a CUDA
+    device."""
+    graphs = settings.graphs or settings.fused
+    return graphs and torch.device(device).type == "cuda"
 
 
 def static_layers(model):
@@ -179,17 +183,19 @@ def lean_decode(
     computed."""
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
     n, dtype, compiled = B * G, compute_dtype(device), COMPILED.get(id(model))
+    fused = compiled is None and uses_fused(model, settings, device)
     graphed = compiled is None and uses_graphs(settings, device) and static_layers(model)
     if compiled is not None:
         net, step = compiled_decoder(model, dtype)
         R, L = compiled.shape(n, P + C)  # R >= n rows, L >= P + C
-    elif graphed:  # the twin and the graph live for this call only: their memory goes back after
+    elif graphed or fused:  # the twin and the graph live for this call only: memory goes back after
         net, R, L = model if dtype is None else decode_twin(model, dtype)[0], n, P + C
-        step = GraphStep(net, dtype)
+        step = FusedStep(net) if fused else None  # fused: the compiled layers, captured on CUDA
+        step = GraphStep(net, dtype, step) if graphed else step
     else:
         net, R, L = model, n, P + C
         step = functools.partial(_decode_step, model, key=cache_keyword(model))
-    fixed = compiled is not None or graphed  # every row stays in the batch, finished or not
+    fixed = compiled is not None or graphed or fused  # every row stays, finished or not
     # Every completion column is 1 from the start: causal masking hides the positions not yet
     # written.
     mask = torch.cat(
@@ -363,7 +369,8 @@ def _decode_step(model, token, mask, position, cache, *, key):
 
 
 class GraphStep:
-    """_decode_step as a CUDA graph, for one decode call (--decode graphs, the default on CUDA).
+    """_decode_step as a CUDA graph, for one decode call (--decode graphs, the default on CUDA), or
+    another step given (--decode fused: FusedStep, compiled in the warm-up step, then captured).
     The eager decode of a 1.7B model is bound by its kernel launches, not by the bytes it reads
     (docs/gpu.md: 10x the bandwidth floor); replaying the step's kernels as one graph removes the
     launches, and needs no compiler: capturing is one more forward's worth of Python.
@@ -384,8 +391,8 @@ class GraphStep:
 
     warned = False  # one warning per process for a failed capture
 
-    def __init__(self, net, dtype):
-        self.step = functools.partial(_decode_step, net, key=cache_keyword(net))
+    def __init__(self, net, dtype, step=None):
+        self.step = step or functools.partial(_decode_step, net, key=cache_keyword(net))
         self.dtype, self.graph = dtype, None
         self.inputs = self.logits = None
 
@@ -423,6 +430,136 @@ class GraphStep:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(device).type, dtype=self.dtype, cache_enabled=False)
+
+
+# --decode fused: the torch.compile backend of the one compiled decoder layer (tests may set a
+# counting backend), and the model types whose forward is embed_tokens, rotary_emb, the layers,
+# norm and lm_head, nothing else (Gemma scales its embeddings, Cohere and Granite their logits:
+# not these).
+FUSED_BACKEND = "inductor"
+FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fused_layout(model):
+    """Whether FusedStep can run this model: a decoder of FUSED_TYPES (a LoRA model's base model
+    too) whose layers are all of one class and all full attention, under sdpa or eager attention
+    (the mask FusedStep builds is theirs)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config, body = inner.config, getattr(inner, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if config.model_type not in FUSED_TYPES or body is None or not hasattr(inner, "lm_head"):
+        return False
+    if not all(hasattr(body, part) for part in parts) or len(body.layers) == 0:
+        return False
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    alike = len({type(layer) for layer in body.layers}) == 1 and kinds == {"full_attention"}
+    return alike and config._attn_implementation in ("sdpa", "eager")
+
+
+def uses_fused(model, settings, device):
+    """Whether lean_decode() runs FusedStep (--decode fused): a model fused_layout() takes, with
+    a static cache a CUDA graph can replay (static_layers(), which says so itself where not). A
+    model of another layout decodes as --decode graphs would (eagerly on the CPU), said once."""
+    if not settings.fused or not static_layers(model):
+        return False
+    if fused_layout(model):
+        return True
+    if not FusedStep.warned:
+        FusedStep.warned = True
+        cuda = torch.device(device).type == "cuda"
+        print(
+            f"warning: --decode fused runs the decoder layers of {'/'.join(FUSED_TYPES)} models "
+            f"whose layers are all alike (sdpa or eager attention), not this "
+            f"{type(model).__name__}: decoding {'with CUDA graphs' if cuda else 'eagerly'}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
+class LayerCache:
+    """One layer's part of a KVCache, as that layer's attention sees it: update() writes this
+    StaticLayer whatever layer_idx the attention passes, so the compiled layer reads no index, and
+    one graph serves every layer (transformers' attention indexes the cache by self.layer_idx, a
+    constant dynamo would specialize on: one graph per layer)."""
+
+    def __init__(self, layer, dtype):
+        self.layer, self.dtype = layer, dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.dtype is not None:  # as KVCache.update: held in the compute dtype
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def _layer_step(layer, hidden, mask, embeddings, cache, position, key):
+    """One decoder layer on one token per row: what FusedStep compiles, once for every layer. key:
+    the name the layer takes its cache under (cache_keyword)."""
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=position,
+        use_cache=True,
+        position_embeddings=embeddings,
+        **{key: cache},
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+@functools.cache
+def fused_layer(backend):
+    """_layer_step compiled (the process's one, per backend): no CUDA graphs of its own (GraphStep
+    captures the whole step), the rows and the cache length dynamic (FusedStep marks them), so one
+    graph serves every layer, every call and every prompt length."""
+    return torch.compile(_layer_step, backend=backend, dynamic=None)
+
+
+class FusedStep:
+    """_decode_step with the decoder layers in a loop of our own (--decode fused): the embedding,
+    the rotary embedding, each layer through fused_layer() (one compiled graph for all: each layer
+    gets its LayerCache), the final norm and the lm-head. Inductor fuses each layer's small kernels
+    (RMSNorm's, rotary's, the MLP's activation and product, the residual adds), which a CUDA graph
+    of the eager step replays one by one (docs/gpu.md: 3.2x the bandwidth floor).
+
+    The 4-D attention mask is built here from the call's 2-D mask [R, L] and the cache's write
+    position (StaticLayer.cumulative_length, a device tensor: no host read, so GraphStep can
+    capture the step): a row attends to the columns its 2-D mask keeps (a left-padded prompt's pad
+    columns are 0) up to the column this token is written to, as transformers' create_causal_mask
+    builds it (bool for sdpa; 0 or the dtype's min, added, for eager attention). The rows and the
+    cache length are marked dynamic, so a new prompt length or row count compiles nothing."""
+
+    warned = False  # one warning per process for a model of another layout
+
+    def __init__(self, net):
+        self.net = net.get_base_model() if hasattr(net, "get_base_model") else net
+        self.additive = self.net.config._attn_implementation == "eager"
+        self.layer, self.key = fused_layer(FUSED_BACKEND), cache_keyword(net)
+
+    def __call__(self, token, mask, position, cache):
+        body = self.net.model
+        hidden = body.embed_tokens(token)  # [R, 1, H]
+        columns = torch.arange(mask.shape[1], device=mask.device)
+        write = cache.layers[0].cumulative_length  # where this token goes, the same for every row
+        allowed = (mask.bool() & (columns <= write))[:, None, None, :]  # [R, 1, 1, L]
+        if self.additive:
+            low = torch.finfo(hidden.dtype).min
+            allowed = torch.zeros_like(allowed, dtype=hidden.dtype).masked_fill_(~allowed, low)
+        embeddings = body.rotary_emb(hidden, position)
+        dynamic(hidden, position, *embeddings)
+        dynamic(allowed, dims=(0, 3))
+        for layer, part in zip(body.layers, cache.layers):
+            dynamic(part.keys, part.values, dims=(0, 2))
+            part = LayerCache(part, cache.compute_dtype)
+            hidden = self.layer(layer, hidden, allowed, embeddings, part, position, self.key)
+        return self.net.lm_head(body.norm(hidden))[:, -1]  # [R, V]
+
+
+def dynamic(*tensors, dims=(0,)):
+    """Mark these dimensions of these tensors dynamic for dynamo (the rows, the cache length): a
+    hint, which a graph that needs a fixed size may still specialize."""
+    for tensor in tensors:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class CudaGraph:
