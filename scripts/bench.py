@@ -1025,6 +1025,18 @@ PARITY_TOL = 1e-5
 # B=2 prompts of 6 and 4 tokens (left-padded) x G=4 completions of nonuniform lengths (< 12: ends
 # with EOS; 12: truncated), 38 tokens in group 1 and 23 in group 2; sampled at T=0.7 (both sides
 # divide the logits by it).
+# GRPOConfig's settings for a parity run of TRL's trainer: on the CPU in fp32, seeded, nothing
+# saved, logged or reported.
+TRL_ON_CPU = dict(
+    report_to="none",
+    save_strategy="no",
+    logging_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+)
 PARITY_SHAPE = dict(
     vocab=256,
     group=4,
@@ -1306,14 +1318,7 @@ def parity_trainer(
     s = PARITY_SHAPE
     args = GRPOConfig(
         output_dir=tmp,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
+        **TRL_ON_CPU,
         gradient_checkpointing=False,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
@@ -1655,14 +1660,7 @@ def parity_gdpo(model, tokenizer, tmp):
 
         args = GRPOConfig(
             output_dir=tmp,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
+            **TRL_ON_CPU,
             per_device_train_batch_size=N,  # one generation batch: the whole table
             num_generations=G,
             max_completion_length=2,

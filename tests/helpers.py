@@ -278,3 +278,21 @@ def output_of(proc):
         return ""
     text = "".join(o if isinstance(o, str) else o.decode(errors="replace") for o in out)
     return f":\n{text[-3000:]}" if text else ""
+
+
+def scripted(model, next_word, words):
+    """Make `model` write next_word[previous word] over the word vocabulary `words` (greedy or
+    sampled alike: a logit of 50 on it, 0 elsewhere; <eos> after any other word). Returns the hook
+    handle; the model's own logits stay for what the hook does not touch, so the log-prob passes
+    after hook.remove() see the real model."""
+    ids_of = {w: i for i, w in enumerate(words)}
+
+    def hook(module, args, kwargs, out):
+        ids = kwargs["input_ids"]
+        logits = torch.zeros_like(out.logits)
+        nxt = [ids_of[next_word.get(words[i], "<eos>")] for i in ids[:, -1].tolist()]
+        logits[torch.arange(len(ids)), -1, torch.tensor(nxt)] = 50.0
+        out.logits = logits
+        return out
+
+    return model.register_forward_hook(hook, with_kwargs=True)

@@ -19,7 +19,7 @@ import grpo
 import sampling
 import tools
 import trainer
-from helpers import ROOT, assert_same_run, read_metrics
+from helpers import ROOT, assert_same_run, read_metrics, scripted
 from support import checkpoint, demo
 from support.errors import UserError
 from support.worker import Worker
@@ -27,22 +27,6 @@ from support.worker import Worker
 WORDS = ["<pad>", "<eos>", "<unk>", "q", "<tool>", "</tool>", "<result>", "</result>", "calc"]
 WORDS += ["12", "x", "y"]
 ID = {w: i for i, w in enumerate(WORDS)}
-
-
-def scripted(model, next_word):
-    """Make `model` write next_word[previous word] (greedy or sampled alike: a logit of 50 on it,
-    0 elsewhere). Returns the hook handle; the model's own logits stay for what the hook does
-    not touch, so the log-prob passes after hook.remove() see the real model."""
-
-    def hook(module, args, kwargs, out):
-        ids = kwargs["input_ids"]
-        logits = torch.zeros_like(out.logits)
-        nxt = torch.tensor([ID[next_word.get(WORDS[i], "<eos>")] for i in ids[:, -1].tolist()])
-        logits[torch.arange(len(ids)), -1, nxt] = 50.0
-        out.logits = logits
-        return out
-
-    return model.register_forward_hook(hook, with_kwargs=True)
 
 
 # "sampled 3 tokens, forced 4, sampled 2": <tool> calc </tool> | <result> 12 12 </result> | 12 <eos>
@@ -53,7 +37,7 @@ def exchange(tool_result="12 12", max_new_tokens=12, group_size=2, **limits):
     """(model, tokenizer, rollouts) of the scripted exchange: prompt "q", G completions."""
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
     toolbox = tools.Tools({"calc": lambda arguments: tool_result}, **limits)
-    handle = scripted(model, EXCHANGE)
+    handle = scripted(model, EXCHANGE, WORDS)
     settings = sampling.Sampling(1.0, 0, 1.0, max_new_tokens)
     rollouts = sampling.sample_rollouts(model, tok, ["q"], settings, group_size, tools=toolbox)
     handle.remove()
@@ -144,7 +128,7 @@ def test_forced_tokens_stay_out_of_the_entropy_mask_the_sampler_weights_and_the_
     # the off-policy mask and the per-token correction all on.
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
     toolbox = tools.Tools({"calc": lambda arguments: "12 12"})
-    handle = scripted(model, EXCHANGE)
+    handle = scripted(model, EXCHANGE, WORDS)
     settings = sampling.Sampling(1.0, 0, 1.0, 12, keep_logps=True)
     r = sampling.sample_rollouts(model, tok, ["q"], settings, 2, tools=toolbox)
     handle.remove()
@@ -235,7 +219,7 @@ def test_calls_past_max_tool_calls_stay_plain_text():
     again = dict(EXCHANGE, **{"</result>": "<tool>", "</tool>": "y", "y": "<eos>"})
     again["calc"] = "</tool>"
     toolbox = tools.Tools({"calc": lambda a: "x"}, max_calls=1)
-    handle = scripted(model, again)
+    handle = scripted(model, again, WORDS)
     r = sampling.sample_rollouts(
         model, tok, ["q"], sampling.Sampling(1.0, 0, 1.0, 20), 2, tools=toolbox
     )
@@ -345,7 +329,7 @@ def test_rewards_may_ask_for_tool_calls_and_no_data_field_may_take_the_name():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tools_under_cpu_autocast_give_the_same_exchange_and_a_finite_loss(dtype):
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
-    handle = scripted(model, EXCHANGE)
+    handle = scripted(model, EXCHANGE, WORDS)
     toolbox = tools.Tools({"calc": lambda a: "12 12"})
     r = sampling.sample_rollouts(
         model, tok, ["q"], sampling.Sampling(1.0, 0, 1.0, 12), 2, dtype, toolbox
@@ -436,7 +420,7 @@ def test_a_compiled_decode_forces_the_same_tokens():
     # forced tokens are data: the compiled step (fixed shapes) writes the exchange as eager does
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
     sampling.compile_model(model, backend="eager")
-    handle = scripted(model, EXCHANGE)
+    handle = scripted(model, EXCHANGE, WORDS)
     toolbox = tools.Tools({"calc": lambda arguments: "12 12"})
     r = sampling.sample_rollouts(
         model, tok, ["q"], sampling.Sampling(1.0, 0, 1.0, 12), 2, tools=toolbox

@@ -23,7 +23,7 @@ import rewards
 import sampling
 import tools
 import trainer
-from helpers import ROOT, assert_same_run, read_metrics
+from helpers import ROOT, assert_same_run, read_metrics, scripted
 from support import checkpoint, demo, tool_calls
 from support.errors import UserError
 from support.worker import Worker
@@ -170,25 +170,10 @@ HERMES = dict(zip(["q", *CALL.split()], CALL.split()))
 HERMES.update({"</tool_response>": "12", "12": "<eos>"})
 
 
-def scripted(model, next_word):
-    """Make `model` write next_word[previous word] (a logit of 50 on it, 0 elsewhere; <eos> for
-    any other)."""
-
-    def hook(module, args, kwargs, out):
-        ids = kwargs["input_ids"]
-        logits = torch.zeros_like(out.logits)
-        nxt = torch.tensor([ID[next_word.get(WORDS[i], "<eos>")] for i in ids[:, -1].tolist()])
-        logits[torch.arange(len(ids)), -1, nxt] = 50.0
-        out.logits = logits
-        return out
-
-    return model.register_forward_hook(hook, with_kwargs=True)
-
-
 def rollouts_of(script, toolbox, prompts=("q",), group_size=2, max_new_tokens=20, rows=None):
     """(model, tokenizer, rollouts) of a scripted tiny Llama calling `toolbox`."""
     model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
-    handle = scripted(model, script)
+    handle = scripted(model, script, WORDS)
     settings = sampling.Sampling(1.0, 0, 1.0, max_new_tokens)
     r = sampling.sample_rollouts(
         model, tok, list(prompts), settings, group_size, tools=toolbox, rows=rows
@@ -318,7 +303,9 @@ def test_a_forked_template_s_calls_parse_the_same_the_format_being_a_flag_not_a_
     # nothing of the template is read to parse a call: the same sampled ids give the same call
     for template in (TEMPLATE, FORK, NO_TOOLS):
         model, tok = demo.tiny_llama(len(WORDS), 0), templated(template)
-        handle = scripted(model, dict(HERMES, **{"<unk>": "<tool_call>"}))  # after "[assistant]"
+        handle = scripted(
+            model, dict(HERMES, **{"<unk>": "<tool_call>"}), WORDS
+        )  # after "[assistant]"
         toolbox = tools.Tools({"add": add}, format="hermes")
         prompt = tools.prompt_template(data.chat_prompt, toolbox)(tok, "q")
         r = sampling.sample_rollouts(
