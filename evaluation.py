@@ -97,7 +97,11 @@ def evaluate(
                 )
                 chunks.append({**per_fn, "reward": total})
                 if task.tools is not None:  # means only: no pass@k or maj@k of these
-                    chunks[-1].update(tool_columns(rollouts))
+                    chunks[-1].update(
+                        report.tool_columns(
+                            rollouts.tool_calls, rollouts.tool_errors, rollouts.tool_malformed
+                        )
+                    )
                 if task.extract_answer is not None and samples > 1:
                     # each question's representative completion for maj@k: [questions]
                     chunks[-1][MAJORITY] = majority_choices(
@@ -120,7 +124,7 @@ def evaluate(
         name: torch.cat([c[name] for c in chunks]).view(len(every), samples) for name in chunks[0]
     }
     choice = table.pop(MAJORITY, None)  # [Q, k]: each row its index k times
-    result = {name: table.pop(name).mean().item() for name in TOOL_COLUMNS if name in table}
+    result = {name: table.pop(name).mean().item() for name in report.TOOL_COLUMNS if name in table}
     result.update({name: r.mean().item() for name, r in table.items()})
     if samples > 1:
         result.update(
@@ -137,15 +141,6 @@ def evaluate(
 
 
 MAJORITY = "__majority__"  # evaluate's table: each question's maj@k completion
-# the tool calls per completion, the share of completions that call a tool, tool errors per
-# completion (tools.py)
-TOOL_COLUMNS = ("tool_calls", "tool_use", "tool_errors")
-
-
-def tool_columns(rollouts):
-    """{TOOL_COLUMNS name: [N] float} of rollouts sampled with tools."""
-    calls = rollouts.tool_calls.float()
-    return dict(zip(TOOL_COLUMNS, (calls, (calls > 0).float(), rollouts.tool_errors.float())))
 
 
 def majority_choices(task, responses, k):

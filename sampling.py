@@ -81,10 +81,12 @@ class Rollouts:
         None  # [B*G] bool: no EOS within max_new_tokens (cut off by the budget)
     )
     # Tools (tools.py): [B*G, C] bool, True on the tokens a tool's result forced in (attended to,
-    # out of completion_mask); [B*G] calls and errors per completion. None without tools.
+    # out of completion_mask); [B*G] calls, errors and (of those) malformed calls per completion.
+    # None without tools.
     forced: torch.Tensor | None = None
     tool_calls: torch.Tensor | None = None
     tool_errors: torch.Tensor | None = None
+    tool_malformed: torch.Tensor | None = None
     # A tool that hung or died (a UserError): the caller raises it, on every rank alike
     # (train.score_or_fail_everywhere), and the run stops, saved.
     tool_failure: Exception | None = None
@@ -191,6 +193,7 @@ def decode_rollouts(
             forced=forced,
             tool_calls=torch.tensor(session.calls, device=device),
             tool_errors=torch.tensor(session.errors, device=device),
+            tool_malformed=torch.tensor(session.malformed, device=device),
             tool_failure=session.failure,
             environment_rewards=None
             if environment_rewards is None
@@ -387,6 +390,7 @@ def select_groups(rollouts, groups):
                 "forced",
                 "tool_calls",
                 "tool_errors",
+                "tool_malformed",
                 "environment_rewards",
                 "sampler_logps",
                 "log_kept",
@@ -441,6 +445,7 @@ def concat_rollouts(parts):
         forced=completions("forced"),
         tool_calls=rows("tool_calls"),
         tool_errors=rows("tool_errors"),
+        tool_malformed=rows("tool_malformed"),
         environment_rewards=rows("environment_rewards"),
         sampler_logps=completions("sampler_logps"),
         log_kept=completions("log_kept"),

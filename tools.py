@@ -84,16 +84,16 @@ class Tools:
     def run(self, body, environments=None, row=0):
         """The result text of one call in completion `row` (whose environment is in
         `environments`, an Environments, if the run has one), `body` being what stood between
-        the call markers: (text, whether it is an error). A call that cannot run (an unknown
-        name, malformed JSON, arguments its schema refuses) or a tool that raises gives
-        "error: ..."; a tool that hangs, dies, runs out of memory or returns what is not text is
-        a UserError (the run stops, saved)."""
+        the call markers: (text, what went wrong: None, "malformed" or "raised"). A call that
+        cannot run ("malformed": an unknown name, malformed JSON, arguments its schema refuses)
+        or a tool that raises ("raised") gives "error: ..."; a tool that hangs, dies, runs out of
+        memory or returns what is not text is a UserError (the run stops, saved)."""
         try:
             name, arguments = tool_calls.parse_call(body, self.format)
             spec = self.spec(name, environments)
             arguments = call_arguments(spec, arguments, self.format)
         except CallError as e:
-            return f"error: {e}", True
+            return f"error: {e}", "malformed"
         if name in self.functions:
             what = f"tool {name!r} ({getattr(self.functions[name], 'spec', 'built in')})"
         else:
@@ -109,13 +109,13 @@ class Tools:
             failed = tool_failure(what, e, self.timeout)
             if failed is not None:
                 raise failed from None
-            return f"error: {e}", True
+            return f"error: {e}", "raised"
         if not isinstance(result, str):
             raise UserError(
                 f"{what} returned a {type(result).__name__}, not a string: a tool is a function "
                 "f(arguments: str) -> str. Training is saved in the output directory."
             )
-        return result, False
+        return result, None
 
     def call(self, fn, spec, arguments):
         """One --tool function called: in the worker within --tool-timeout (a worker.Remote),
@@ -200,15 +200,16 @@ def tool_failure(what, error, timeout):
 class ToolSession:
     """One decode call's tool calls: which rows have result tokens still to force, what each row
     sampled since its last result (where its next call is looked for), and each row's calls,
-    errors and forced positions, and the rows' environments (--env), built before the decode and
-    dropped after it. support/decode.lean_decode calls force() then observe() at every step;
-    sampling.sample_rollouts calls finish() (the environments' rewards) and close()."""
+    errors (and of those, malformed calls) and forced positions, and the rows' environments
+    (--env), built before the decode and dropped after it. support/decode.lean_decode calls
+    force() then observe() at every step; sampling.sample_rollouts calls finish() (the
+    environments' rewards) and close()."""
 
     def __init__(self, tools, tokenizer, rows, budget, data_rows=None):
         self.tools, self.tokenizer, self.budget = tools, tokenizer, budget
         self.queue = [[] for _ in range(rows)]  # result tokens still to force, per row
         self.segment = [[] for _ in range(rows)]  # tokens sampled since the row's last result
-        self.calls, self.errors = [0] * rows, [0] * rows
+        self.calls, self.errors, self.malformed = [0] * rows, [0] * rows, [0] * rows
         self.forced = torch.zeros(rows, budget, dtype=torch.bool)  # [rows, budget] on the CPU
         self.format = FORMATS[tools.format]
         self.last_char = self.format.call_close[-1]
@@ -269,7 +270,8 @@ class ToolSession:
                 self.failure = e
                 break
             self.calls[r] += 1
-            self.errors[r] += int(error)
+            self.errors[r] += error is not None
+            self.malformed[r] += error == "malformed"
             self.queue[r] = self.result_tokens(result)[: self.budget - t - 1]
 
     def closes(self, tok):

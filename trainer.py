@@ -597,7 +597,9 @@ def log_step(run, task, done, scored, updates, dynamic):
     metrics.update(dynamic)
     if rollouts.tool_calls is not None:
         metrics.update(
-            report.tool_metrics(gather(rollouts.tool_calls), gather(rollouts.tool_errors))
+            report.tool_metrics(
+                *map(gather, (rollouts.tool_calls, rollouts.tool_errors, rollouts.tool_malformed))
+            )
         )
     if distributed.is_main():  # one metrics.jsonl
         beta = s.loss.beta or s.reward_kl_beta  # the KL's, in the loss or in the reward

@@ -285,15 +285,25 @@ def option_metrics(updates):
     }
 
 
-def tool_metrics(calls, errors):
-    """The step's tool use, from each completion's tool calls and tool errors [N]: calls per
-    completion, the share of completions with at least one call, errors per completion."""
-    calls = calls.float()
-    return dict(
-        tool_calls=calls.mean().item(),
-        tool_use=(calls > 0).float().mean().item(),
-        tool_errors=errors.float().mean().item(),
-    )
+# Each completion's tool use: its calls; whether it called (tool_use); its errors (every call that
+# returned "error: ..."); of those, its malformed calls (that could not run: an unknown name, bad
+# JSON, arguments the tool's schema refuses; tools.Tools.run); and whether it called and every one
+# of its calls was well-formed (tool_well_formed; a tool that raised on well-formed arguments, as
+# the shop's price of an item it does not sell, still counts as well-formed).
+TOOL_COLUMNS = ("tool_calls", "tool_use", "tool_errors", "tool_malformed", "tool_well_formed")
+
+
+def tool_columns(calls, errors, malformed):
+    """{TOOL_COLUMNS name: [N] float} from each completion's calls, errors and malformed calls
+    [N]."""
+    calls, errors, malformed = calls.float(), errors.float(), malformed.float()
+    well_formed = ((calls > 0) & (malformed == 0)).float()
+    return dict(zip(TOOL_COLUMNS, (calls, (calls > 0).float(), errors, malformed, well_formed)))
+
+
+def tool_metrics(calls, errors, malformed):
+    """The step's tool use: the means of tool_columns over its completions."""
+    return {name: x.mean().item() for name, x in tool_columns(calls, errors, malformed).items()}
 
 
 def log_step(log, step, steps, beta, m, reward_names):
@@ -315,7 +325,8 @@ def log_step(log, step, steps, beta, m, reward_names):
         )
         + (
             f" | tools {m['tool_calls']:.2f}/completion, {m['tool_use']:.0%} call, "
-            f"{m['tool_errors']:.2f} errors"
+            f"{m['tool_errors']:.2f} errors ({m['tool_malformed']:.2f} malformed), "
+            f"{m['tool_well_formed']:.0%} well-formed"
             if "tool_calls" in m
             else ""
         )

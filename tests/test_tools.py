@@ -54,6 +54,7 @@ def test_the_worked_exchange_masks_forced_tokens_out_of_the_loss_and_every_lengt
     assert r.lengths.tolist() == [5, 5]  # |o_i| counts sampled tokens
     assert r.truncated.tolist() == [False, False]
     assert r.tool_calls.tolist() == [1, 1] and r.tool_errors.tolist() == [0, 0]
+    assert r.tool_malformed.tolist() == [0, 0]
     assert r.texts[0] == "<tool> calc </tool> <result> 12 12 </result> 12"
     # grpo's 1/|o_i| and DAPO's Σ|o_i| count the 5 sampled tokens of each of the 2 completions;
     # Dr. GRPO's constant stays N · max_new_tokens
@@ -234,14 +235,21 @@ def test_a_tool_that_raises_returns_its_error_and_an_unknown_tool_is_named():
         raise ValueError("no such thing")
 
     toolbox = tools.Tools({"calc": boom})
-    assert toolbox.run("calc 1") == ("error: no such thing", True)
-    assert toolbox.run("nope 1") == ("error: no tool named 'nope' (tools: calc)", True)
+    assert toolbox.run("calc 1") == ("error: no such thing", "raised")
+    # in the decode: an error, and not a malformed call
+    model, tok = demo.tiny_llama(len(WORDS), 0), demo.word_tokenizer(WORDS)
+    handle = scripted(model, EXCHANGE, WORDS)
+    settings = sampling.Sampling(1.0, 0, 1.0, 12)
+    r = sampling.sample_rollouts(model, tok, ["q"], settings, 2, tools=toolbox)
+    handle.remove()
+    assert r.tool_errors.tolist() == [1, 1] and r.tool_malformed.tolist() == [0, 0]
+    assert toolbox.run("nope 1") == ("error: no tool named 'nope' (tools: calc)", "malformed")
     with pytest.raises(UserError, match="returned a int, not a string"):
         tools.Tools({"calc": lambda a: 3}).run("calc 1")
     _, _, r = exchange()
     calc = tools.Tools({"calculator": tools.BUILTIN_TOOLS["calculator"]})
-    assert calc.run("calculator 123*45") == ("5535", False)
-    assert calc.run("calculator 9**9**9")[1] is True
+    assert calc.run("calculator 123*45") == ("5535", None)
+    assert calc.run("calculator 9**9**9")[1] == "raised"
     assert calc.run("calculator 9**9**9")[0].startswith("error: ")
 
 
@@ -271,11 +279,11 @@ def test_a_hanging_tool_in_the_worker_stops_the_run_naming_it(tmp_path, monkeypa
     worker = Worker(1.0)
     toolbox = tools.from_flags(args, worker)
     assert list(toolbox.functions) == ["slow", "echo", "fails"]
-    assert toolbox.run("echo abc") == ("cba", False)
-    assert toolbox.run("fails k") == ("error: 'k'", True)
+    assert toolbox.run("echo abc") == ("cba", None)
+    assert toolbox.run("fails k") == ("error: 'k'", "raised")
     with pytest.raises(UserError, match=r"tool 'slow' \(my_tools:slow\) did not return within"):
         toolbox.run("slow 1")
-    assert toolbox.run("echo again") == ("niaga", False)  # a fresh worker after the kill
+    assert toolbox.run("echo again") == ("niaga", None)  # a fresh worker after the kill
     worker.close()
 
 
@@ -448,5 +456,6 @@ def test_tool_heldout_evaluates_a_model_dir_on_larger_operands_with_the_tasks_re
     assert "held-out: 2-digit x 2-digit products, seed 43" in out
     assert "held-out 2 rows (the first 2 of 200) from given (larger operands" in out
     assert {"correctness", "correctness_pass@2", "correctness_maj@2", "tool_use"} <= set(result)
+    assert {"tool_malformed", "tool_well_formed"} <= set(result)
     with pytest.raises(SystemExit, match="--operands takes AxB"):
         tool_heldout.main([*flags, "--operands", "4by3"])

@@ -24,7 +24,7 @@ import sampling
 import tools
 import trainer
 from helpers import ROOT, assert_same_run, read_metrics, scripted
-from support import checkpoint, demo, tool_calls
+from support import checkpoint, demo, report, tool_calls
 from support.errors import UserError
 from support.worker import Worker
 
@@ -79,14 +79,14 @@ def test_a_typed_function_takes_get_json_schema_and_today_s_tools_stay_plain():
 def test_a_typed_tool_is_called_with_a_json_object_in_the_markers_format():
     toolbox = tools.Tools({"add": add, "pick": pick})
     assert toolbox.specs["add"].plain is False
-    assert toolbox.run('add {"a": 2, "b": 3}') == ("5", False)
+    assert toolbox.run('add {"a": 2, "b": 3}') == ("5", None)
     # a value that is not text is written as JSON
     assert toolbox.run('pick {"kind": "x", "sizes": [1, 2]}') == (
         '{"kind": "x", "total": 3, "note": null}',
-        False,
+        None,
     )
     # a plain tool keeps its text as it is, and a typed one without arguments takes none
-    assert tools.Tools({"echo": lambda arguments: arguments}).run("echo 1 2 {") == ("1 2 {", False)
+    assert tools.Tools({"echo": lambda arguments: arguments}).run("echo 1 2 {") == ("1 2 {", None)
 
 
 # (format, body, the error's start): each call that cannot run is an error result, never a crash
@@ -124,18 +124,18 @@ BAD_CALLS = [
 @pytest.mark.parametrize("format_name, body, error", BAD_CALLS)
 def test_each_call_that_cannot_run_is_an_error_result_the_model_reads(format_name, body, error):
     text, failed = tools.Tools({"add": add, "pick": pick}, format=format_name).run(body)
-    assert failed and text.startswith(error), text
+    assert failed == "malformed" and text.startswith(error), text
 
 
 def test_the_same_calls_run_in_the_hermes_format_and_a_plain_tool_takes_its_one_argument():
     toolbox = tools.Tools(
         {"add": add, "calculator": tools.BUILTIN_TOOLS["calculator"]}, format="hermes"
     )
-    assert toolbox.run(' {"name": "add", "arguments": {"a": 2, "b": 3}} ') == ("5", False)
+    assert toolbox.run(' {"name": "add", "arguments": {"a": 2, "b": 3}} ') == ("5", None)
     call = '{"name": "calculator", "arguments": {"arguments": "12*34"}}'
-    assert toolbox.run(call) == ("408", False)
+    assert toolbox.run(call) == ("408", None)
     text, failed = toolbox.run('{"name": "calculator", "arguments": {"arguments": 12}}')
-    assert failed and "must be string" in text
+    assert failed == "malformed" and "must be string" in text
 
 
 def test_arguments_are_checked_against_the_schema_before_any_call():
@@ -151,8 +151,32 @@ def test_arguments_are_checked_against_the_schema_before_any_call():
         return "ok"
 
     toolbox = tools.Tools({"spy": spy})
-    assert toolbox.run('spy {"a": "1"}')[1] and toolbox.run("spy {}")[1] and calls == []
-    assert toolbox.run('spy {"a": 1}') == ("ok", False) and calls == [1]
+    assert toolbox.run('spy {"a": "1"}')[1] == toolbox.run("spy {}")[1] == "malformed"
+    assert calls == []
+    assert toolbox.run('spy {"a": 1}') == ("ok", None) and calls == [1]
+
+
+def test_the_tool_columns_of_a_worked_step():
+    # three completions: two calls, one of them to a tool that raised on well-formed arguments;
+    # one call no schema takes; no call
+    calls, errors, malformed = (
+        torch.tensor([2, 1, 0]),
+        torch.tensor([1, 1, 0]),
+        torch.tensor([0, 1, 0]),
+    )
+    columns = report.tool_columns(calls, errors, malformed)
+    assert {k: v.tolist() for k, v in columns.items()} == {
+        "tool_calls": [2.0, 1.0, 0.0],
+        "tool_use": [1.0, 1.0, 0.0],
+        "tool_errors": [1.0, 1.0, 0.0],
+        "tool_malformed": [0.0, 1.0, 0.0],
+        "tool_well_formed": [1.0, 0.0, 0.0],  # called, and every call well-formed: the first
+    }
+    metrics = report.tool_metrics(calls, errors, malformed)
+    assert metrics == pytest.approx(
+        {"tool_calls": 1.0, "tool_use": 2 / 3, "tool_errors": 2 / 3, "tool_malformed": 1 / 3,
+         "tool_well_formed": 1 / 3}, abs=1e-7  # float32 means of thirds
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,6 +254,7 @@ def test_a_malformed_hermes_call_forces_its_error_and_counts_it():
     toolbox = tools.Tools({"add": add}, format="hermes", max_result_tokens=4)
     _, _, r = rollouts_of(script, toolbox)
     assert r.tool_calls.tolist() == [1, 1] and r.tool_errors.tolist() == [1, 1]
+    assert r.tool_malformed.tolist() == [1, 1]
     forced = r.input_ids[0, r.prompt_length :][r.forced[0]].tolist()
     # <tool_response> error: the call is </tool_response>, the rest of its text cut
     assert forced[0] == ID["<tool_response>"] and forced[-1] == ID["</tool_response>"]
@@ -528,10 +553,10 @@ def test_typed_methods_in_the_hermes_format_and_a_hanging_or_leaking_environment
     ]
     envs = tools.Environments(toolbox.environment, 5)
     envs.open([{"prompt": "q", "answer": "", "fields": {"prices": {"tea": 3}}}], 2)
-    assert toolbox.run('{"name": "price", "arguments": {"item": "tea"}}', envs, 0) == ("3", False)
+    assert toolbox.run('{"name": "price", "arguments": {"item": "tea"}}', envs, 0) == ("3", None)
     assert toolbox.run('{"name": "price", "arguments": {"item": "gin"}}', envs, 1) == (
         "error: 'gin'",
-        True,
+        "raised",
     )
     assert envs.rewards(["", ""]).tolist() == [1.0, 1.0]
     envs.close()
