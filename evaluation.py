@@ -1,5 +1,6 @@
 """Evaluation on held-out questions: each reward's mean over k samples per question, pass@k and
-maj@k (DeepSeekMath §5.2.2), in its own RNG stream, shared out over the ranks under torchrun.
+maj@k (DeepSeekMath §5.2.2) and the mean's noise over evaluation seeds (draw_noise), in its own
+RNG stream, shared out over the ranks under torchrun.
 """
 
 import collections
@@ -130,6 +131,7 @@ def evaluate(
         result.update(
             {f"{name}_pass@{samples}": r.max(1).values.mean().item() for name, r in table.items()}
         )
+        result.update({f"{name}_noise": draw_noise(r) for name, r in table.items()})
     if choice is not None:
         result.update(
             {
@@ -141,6 +143,16 @@ def evaluate(
 
 
 MAJORITY = "__majority__"  # evaluate's table: each question's maj@k completion
+
+
+def draw_noise(table):
+    """The eval noise of a mean over [Q, k] rewards (k > 1 samples of each of Q questions),
+    estimated from this one evaluation: the std that the mean has over evaluation seeds, the same
+    questions sampled again. Each question's k draws are independent given the model, so the mean's
+    variance is the sum over questions of each question's variance over k, divided by Q², and
+    each question's variance is estimated without bias from its own k draws (Bessel's k - 1)."""
+    Q, k = table.shape
+    return (table.double().var(1).sum() / k).sqrt().item() / Q
 
 
 def majority_choices(task, responses, k):

@@ -84,13 +84,38 @@ def test_evaluate_reports_mean_maj_and_pass_at_k_on_a_worked_example():
         "reward_pass@4": 1.0,
         "correctness_maj@4": 0.5,
         "reward_maj@4": 0.5,
+        # each question's 4 rewards 0, 1, 0, 0 have variance 0.75 / 3 = 0.25 (Bessel's k - 1):
+        # sqrt((0.25 + 0.25) / 4) / 2 = sqrt(2) / 8; in float64, to its last bits
+        "correctness_noise": pytest.approx(2**0.5 / 8, rel=1e-15),
+        "reward_noise": pytest.approx(2**0.5 / 8, rel=1e-15),
     }
     # a task without an answer extractor (your own task without --extract-answer): no maj@k, the
     # rest unchanged
     task = dataclasses.replace(task, extract_answer=None)
     with mock.patch.object(sampling, "sample_rollouts", fixed_completions(completions)):
         result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, settings, 4, batch_size=1)
-    assert set(result) == {"correctness", "reward", "correctness_pass@4", "reward_pass@4"}
+    assert set(result) == {
+        f"{name}{at}" for name in ("correctness", "reward") for at in ("", "_pass@4", "_noise")
+    }
+
+
+def test_the_eval_noise_is_the_std_of_the_mean_over_evaluation_seeds():
+    # 4,000 evaluations of the same 50 questions (each answered right with its own probability,
+    # 0 to 1), 8 draws each: draw_noise of one evaluation estimates the std that the mean has over
+    # all of them, sqrt(sum p (1 - p) / 8) / 50 = 0.0204. The std of 4,000 means is off by about
+    # 1 / sqrt(2 * 4000) = 1.1% (its own sampling error), the mean of 4,000 estimates by less:
+    # 3% and 2% are about 3 of those errors.
+    Q, k, runs = 50, 8, 4000
+    p = torch.linspace(0, 1, Q, dtype=torch.float64)
+    truth = (p * (1 - p)).sum().div(k).sqrt().item() / Q
+    draws = torch.rand(runs, Q, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tables = (draws < p[None, :, None]).float()
+    means = tables.mean((1, 2))
+    assert means.std().item() == pytest.approx(truth, rel=0.03)
+    estimates = torch.tensor([evaluation.draw_noise(t) for t in tables])
+    assert estimates.pow(2).mean().sqrt().item() == pytest.approx(truth, rel=0.02)
+    # a question answered alike k times adds no noise
+    assert evaluation.draw_noise(torch.ones(3, 4)) == 0.0
 
 
 def test_an_extract_answer_that_raises_is_one_clear_error(tmp_path, monkeypatch):
@@ -141,7 +166,9 @@ def test_task_addition_trains_and_reports_mean_maj_and_pass_at_k(tmp_path):
     assert [step for step, _ in evals] == [0, 2]
     for _, result in evals:
         assert set(result) == {
-            f"{name}{at}" for name in ("correctness", "reward") for at in ("", "_pass@4", "_maj@4")
+            f"{name}{at}"
+            for name in ("correctness", "reward")
+            for at in ("", "_pass@4", "_maj@4", "_noise")
         }
         assert 0 <= result["correctness"] <= result["correctness_pass@4"] <= 1
         assert 0 <= result["correctness_maj@4"] <= result["correctness_pass@4"]

@@ -338,7 +338,9 @@ def test_eval_only_reports_mean_rewards(tmp_path):
     )
     # GSM8K reads each completion's answer, so maj@k too
     assert set(result) == {
-        f"{name}{at}" for name in ("correctness", "reward") for at in ("", "_pass@2", "_maj@2")
+        f"{name}{at}"
+        for name in ("correctness", "reward")
+        for at in ("", "_pass@2", "_maj@2", "_noise")
     }
     assert 0.0 <= result["correctness"] <= result["correctness_pass@2"] <= 1.0
     assert result["reward"] == result["correctness"]  # the demo's one reward function, weight 1
@@ -347,7 +349,7 @@ def test_eval_only_reports_mean_rewards(tmp_path):
 def test_eval_means_and_pass_at_k_worked_example():
     """3 questions x 4 samples, correct exactly at completions 0 and 5 (question 0's first and
     question 1's second): mean 2/12, pass@4 2/3; format weighted 0.5 scores 0.1 everywhere, so
-    the total is correctness + 0.05."""
+    the total is correctness + 0.05. The eval noise (draw_noise) of each."""
     model, tokenizer = demo.model_and_tokenizer(seed=0)
 
     def hits(completions, answers):
@@ -372,6 +374,11 @@ def test_eval_means_and_pass_at_k_worked_example():
             "correctness_pass@4": 2 / 3,
             "format_pass@4": 0.1,
             "reward_pass@4": (1.05 + 1.05 + 0.05) / 3,
+            # questions 0 and 1 score 1, 0, 0, 0 (variance 0.25 with k - 1), question 2 nothing:
+            # sqrt(0.5 / 4) / 3; format is the same everywhere, and the total moves as correctness
+            "correctness_noise": 0.125**0.5 / 3,
+            "format_noise": 0.0,
+            "reward_noise": 0.125**0.5 / 3,
         },
         abs=TOL,
     )
