@@ -513,7 +513,7 @@ def test_gsm8k_path_trains_and_evaluates_a_local_model_directory(tmp_path, capsy
     assert set(history[-1][1]) == {
         f"{name}{at}"
         for name in ("correctness", "format", "reward")
-        for at in ("", "_pass@2", "_maj@2")
+        for at in ("", "_pass@2", "_maj@2", "_noise")
     }
     row = read_metrics(tmp_path / "run")[1]
     assert {"rewards/correctness", "rewards/format", "accuracy", "kl", "clip_frac", "lr"} <= set(
