@@ -29,6 +29,7 @@ MODULE:FUNCTION run in the child around the call: sandbox.reward_in_worker for r
 called mid-completion can use it as they are.
 """
 
+import atexit
 import importlib
 import inspect
 import os
@@ -39,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 
 # --reward-memory's default, in GiB of address space: generous for a checker that imports numpy or
 # torch on the CPU (torch alone maps a few GiB), low enough that a runaway allocation fails in the
@@ -142,6 +144,7 @@ class Worker:
         )
         os.close(to_child_r), os.close(from_child_w)
         self.to_child, self.from_child = os.fdopen(to_child_w, "wb"), from_child_r
+        atexit.register(close_at_exit, weakref.ref(self))
         for spec, flag, cwd in self.loaded:
             self.send(("load", spec, flag, cwd))
             status, *reply = self.receive(0, f"importing {spec}")
@@ -227,6 +230,15 @@ class Worker:
                 process.wait()
         # the child's group (its pid: it leads its own session) may outlive it: a tool's forks
         signal_group(process.pid, signal.SIGKILL)
+
+
+def close_at_exit(ref):
+    """At the program's exit, end a worker it left open: atexit runs while os and signal still
+    exist, where a Worker's __del__ may come after the interpreter has cleared them ("'NoneType'
+    object has no attribute 'close'", printed at every exit of a program that kept one)."""
+    worker = ref()
+    if worker is not None:
+        worker.close()
 
 
 def signal_group(pgid, signum):

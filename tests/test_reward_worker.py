@@ -202,3 +202,22 @@ def test_the_worker_keeps_order_coerces_values_and_restarts_after_a_kill(tmp_pat
         assert sandbox.call_reward(r, ["a", "b", "c"], [1, 2, 3], {}).tolist() == [1.0, 2.0, 0.5]
     finally:
         w.close()
+
+
+@pytest.mark.slow  # a subprocess that imports the trainer: seconds
+def test_a_worker_left_open_ends_with_the_program_without_a_traceback():
+    # a program that keeps a started worker to its end (a script that builds a task with --env, a
+    # notebook): the worker is ended at exit, and nothing is printed. Before, the worker's __del__
+    # ran after the interpreter had cleared support/worker.py's globals, and every such exit printed
+    # "Exception ignored in: <function Worker.__del__ ...> ... 'NoneType' object has no attribute
+    # 'close'". The shop task's environment starts the worker as the trainer builds the task.
+    program = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import config, tools, trainer\n"
+        "task = trainer.load_task(config.parse_args(['--model', 'unused', '--task', 'shop']))\n"
+        "print(task.tools.environment.cls.worker.process.pid)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program, ROOT], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    # ended and reaped before the program's exit (close() waits for it), not left to notice alone
+    assert not os.path.exists(f"/proc/{int(done.stdout)}")
