@@ -144,7 +144,7 @@ class Worker:
         )
         os.close(to_child_r), os.close(from_child_w)
         self.to_child, self.from_child = os.fdopen(to_child_w, "wb"), from_child_r
-        atexit.register(close_at_exit, weakref.ref(self))
+        atexit.register(close_at_exit, weakref.ref(self), os.getpid())
         for spec, flag, cwd in self.loaded:
             self.send(("load", spec, flag, cwd))
             status, *reply = self.receive(0, f"importing {spec}")
@@ -232,12 +232,14 @@ class Worker:
         signal_group(process.pid, signal.SIGKILL)
 
 
-def close_at_exit(ref):
+def close_at_exit(ref, pid):
     """At the program's exit, end a worker it left open: atexit runs while os and signal still
     exist, where a Worker's __del__ may come after the interpreter has cleared them ("'NoneType'
-    object has no attribute 'close'", printed at every exit of a program that kept one)."""
+    object has no attribute 'close'", printed at every exit of a program that kept one). Only in
+    the process `pid` that started it: a fork of that process inherits the handler, not the
+    worker."""
     worker = ref()
-    if worker is not None:
+    if worker is not None and os.getpid() == pid:
         worker.close()
 
 
