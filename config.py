@@ -394,7 +394,7 @@ def build_parser():
         "as a CUDA graph and replayed for every token (no compiler); fused, its decoder layers "
         "through one torch.compile graph shared by every layer (compiled once per process), then "
         "captured as graphs is (on the CPU: compiled, not captured; Llama-layout models, others "
-        "decode as graphs); eager, one kernel launch per op. auto: graphs on CUDA (eager with "
+        "decode as graphs); eager, one kernel launch per op. auto: fused on CUDA (eager with "
         "--compile, whose decode is compiled, and where transformers' generate() decodes: --fsdp, "
         "--num-beams), eager on the CPU"
     )
@@ -631,16 +631,16 @@ def parse_args(argv=None):
 
 
 def resolve_decode(args):
-    """--decode auto -> graphs on CUDA where the lean decode runs, else eager (fused is asked
-    for, until a GPU lease measures it faster than graphs: docs/gpu.md); graphs or fused asked for
-    where it cannot run: a UserError."""
+    """--decode auto -> fused on CUDA where the lean decode runs (measured faster than graphs on
+    the fifth GPU lease: docs/gpu.md), else eager; graphs or fused asked for where it cannot run:
+    a UserError."""
     generate_decodes = args.fsdp or args.num_beams > 1  # transformers' generate(), not our loop
     if args.decode == "auto":
         cuda = args.device == "cuda"
-        args.decode = "graphs" if cuda and not (args.compile or generate_decodes) else "eager"
+        args.decode = "fused" if cuda and not (args.compile or generate_decodes) else "eager"
         if cuda and generate_decodes and os.environ.get("RANK", "0") == "0":  # said once
             why = "--fsdp" if args.fsdp else "--num-beams"
-            print(f"decode: eager, not CUDA graphs: with {why} transformers' generate() decodes")
+            print(f"decode: eager, not fused: with {why} transformers' generate() decodes")
     elif args.decode in ("graphs", "fused") and (
         (args.device != "cuda" and args.decode == "graphs") or args.compile or generate_decodes
     ):  # fused runs on the CPU too: its compiled step, without a CUDA graph

@@ -43,11 +43,12 @@ class Sampling:
     # the decode keeps each sampled token's log-probs (Rollouts.sampler_logps): for
     # --sampler-correction and --log-mismatch; off, nothing is computed
     keep_logps: bool = False
-    # --decode graphs (the default on CUDA): the decode step replayed as a CUDA graph
-    # (decode.GraphStep); the same tokens, without a kernel launch per op
+    # --decode graphs: the decode step replayed as a CUDA graph (decode.GraphStep); the same
+    # tokens, without a kernel launch per op
     graphs: bool = False
-    # --decode fused: the decoder layers through one compiled graph (decode.FusedStep), captured as
-    # a CUDA graph on CUDA; the same distribution (tokens within inductor's rounding)
+    # --decode fused (the default on CUDA): the decoder layers through one compiled graph
+    # (decode.FusedStep), captured as a CUDA graph on CUDA; the same distribution (tokens within
+    # inductor's rounding)
     fused: bool = False
 
     @classmethod

@@ -73,7 +73,7 @@ class Args:
     device: str = arg("auto", "auto | cpu | cuda")
     dtype: str = arg("auto", "autocast dtype, weights stay fp32: auto (bf16 on CUDA) | bf16 | fp32")
     gradient_checkpointing: bool = arg(None, "recompute activations: less memory; unset: planned")
-    decode: str = arg("auto", "auto (CUDA graphs on CUDA) | graphs | eager: how the decode runs")
+    decode: str = arg("auto", "auto (fused on CUDA) | fused | graphs | eager: how the decode runs")
     eval_every: int = arg(0, "evaluate every N steps; 0: before and after training; -1: never")
     eval_limit: int = arg(None, "evaluate on the first N held-out questions only")
     eval_samples: int = arg(8, "completions per held-out question (pass@k, maj@k)")

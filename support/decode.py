@@ -7,10 +7,10 @@ lean_decode  a short loop over the model's forward: a static KV cache written in
 generate     lean_decode() where it can run, else transformers' generate() (beam search, FSDP2)
 plain_decode lean_decode without the trainer's options (tools, kept log-probs, --compile): what
              train.py runs, the same tokens
-graphs       the decode step captured as a CUDA graph, replayed for every token (GraphStep): the
-             default on CUDA, with no compiler
+graphs       the decode step captured as a CUDA graph, replayed for every token (GraphStep), with
+             no compiler
 fused        the decoder layers through one compiled graph shared by every layer (FusedStep), that
-             step captured as graphs is (--decode fused; on the CPU compiled, not captured)
+             step captured as graphs is: the default on CUDA (on the CPU compiled, not captured)
 --compile    the decode step compiled for a few planned shapes (plan_decode), reading a twin of the
              model whose Linear weights are already in the compute dtype (decode_twin)
 """
@@ -37,7 +37,7 @@ def plain_decode(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, 
     (tests/test_sampling.py). Each prompt is prefilled once into a preallocated KV cache, copied to
     its G rows; each step draws one token per row (sample_tokens: temperature, top-k, top-p), and a
     row that wrote EOS leaves the batch. A model without a static cache goes to generate(), and so
-    does the CUDA-graph decode (--decode graphs, CUDA's default: lean_decode's GraphStep)."""
+    do the CUDA-graph decodes (--decode graphs, and fused, CUDA's default: its GraphStep)."""
     if not uses_lean_decode(model, settings) or settings.graphs or settings.fused:  # via generate()
         return generate(model, prompt_ids, prompt_mask, settings, group_size, eos_ids, pad_id)
     (B, P), G, C, device = prompt_ids.shape, group_size, settings.max_new_tokens, prompt_ids.device
@@ -125,8 +125,8 @@ def generate(
 
 
 def uses_graphs(settings, device):
-    """Whether lean_decode() replays its step as a CUDA graph (GraphStep): --decode graphs, the
-    default on CUDA (config.py), or --decode fused (its compiled step captured), and a CUDA
+    """Whether lean_decode() replays its step as a CUDA graph (GraphStep): --decode graphs, or
+    --decode fused (its compiled step captured; the default on CUDA, config.py), and a CUDA
     device."""
     graphs = settings.graphs or settings.fused
     return graphs and torch.device(device).type == "cuda"
@@ -369,8 +369,8 @@ def _decode_step(model, token, mask, position, cache, *, key):
 
 
 class GraphStep:
-    """_decode_step as a CUDA graph, for one decode call (--decode graphs, the default on CUDA), or
-    another step given (--decode fused: FusedStep, compiled in the warm-up step, then captured).
+    """_decode_step as a CUDA graph, for one decode call (--decode graphs), or another step given
+    (--decode fused, CUDA's default: FusedStep, compiled in the warm-up step, then captured).
     The eager decode of a 1.7B model is bound by its kernel launches, not by the bytes it reads
     (docs/gpu.md: 10x the bandwidth floor); replaying the step's kernels as one graph removes the
     launches, and needs no compiler: capturing is one more forward's worth of Python.
@@ -460,7 +460,7 @@ def uses_fused(model, settings, device):
     """Whether lean_decode() runs FusedStep (--decode fused): a model fused_layout() takes, with
     a static cache a CUDA graph can replay (static_layers(), which says so itself where not). A
     model of another layout decodes as --decode graphs would (eagerly on the CPU), said once."""
-    if not settings.fused or not static_layers(model):
+    if not settings.fused or FusedStep.failed is not None or not static_layers(model):
         return False
     if fused_layout(model):
         return True
@@ -468,7 +468,7 @@ def uses_fused(model, settings, device):
         FusedStep.warned = True
         cuda = torch.device(device).type == "cuda"
         print(
-            f"warning: --decode fused runs the decoder layers of {'/'.join(FUSED_TYPES)} models "
+            f"warning: the fused decode runs the decoder layers of {'/'.join(FUSED_TYPES)} models "
             f"whose layers are all alike (sdpa or eager attention), not this "
             f"{type(model).__name__}: decoding {'with CUDA graphs' if cuda else 'eagerly'}",
             file=sys.stderr,
@@ -529,13 +529,35 @@ class FusedStep:
     cache length are marked dynamic, so a new prompt length or row count compiles nothing."""
 
     warned = False  # one warning per process for a model of another layout
+    failed = None  # why the one compile failed (said once): the process decodes as graphs does
 
     def __init__(self, net):
         self.net = net.get_base_model() if hasattr(net, "get_base_model") else net
         self.additive = self.net.config._attn_implementation == "eager"
         self.layer, self.key = fused_layer(FUSED_BACKEND), cache_keyword(net)
+        self.layers_run = 0  # of this step's layers, run so far
 
     def __call__(self, token, mask, position, cache):
+        """The fused step; where the compile fails (inductor needs Triton and a C compiler on
+        CUDA), this step and every later one of the process run eagerly, said in one line. Dynamo
+        raises its errors (TorchDynamoException) before the first layer runs: nothing of the cache
+        is written yet, so the eager step redoes it from the start. Any other error is raised."""
+        if FusedStep.failed is None:
+            try:
+                return self.fused(token, mask, position, cache)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                if self.layers_run:  # past the compile: the cache is partly written
+                    raise
+                FusedStep.failed = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                print(
+                    f"warning: the fused decode could not be compiled ({FusedStep.failed}); "
+                    "decoding as --decode graphs does (which says so up front)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return _decode_step(self.net, token, mask, position, cache, key=self.key)
+
+    def fused(self, token, mask, position, cache):
         body = self.net.model
         hidden = body.embed_tokens(token)  # [R, 1, H]
         columns = torch.arange(mask.shape[1], device=mask.device)
@@ -547,10 +569,12 @@ class FusedStep:
         embeddings = body.rotary_emb(hidden, position)
         dynamic(hidden, position, *embeddings)
         dynamic(allowed, dims=(0, 3))
+        self.layers_run = 0
         for layer, part in zip(body.layers, cache.layers):
             dynamic(part.keys, part.values, dims=(0, 2))
             part = LayerCache(part, cache.compute_dtype)
             hidden = self.layer(layer, hidden, allowed, embeddings, part, position, self.key)
+            self.layers_run += 1
         return self.net.lm_head(body.norm(hidden))[:, -1]  # [R, V]
 
 

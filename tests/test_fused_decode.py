@@ -180,7 +180,7 @@ def test_a_model_of_another_layout_decodes_as_graphs_would_and_says_so_once(
         outs.append(decode.plain_decode(model, ids, mask, settings, 2, [-1], 0))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("warning: --decode fused runs the decoder")
+    assert err.count("\n") == 0 and err.startswith("warning: the fused decode runs the decoder")
     assert "GemmaForCausalLM: decoding eagerly" in err and counted.frame_count == 0
 
 
@@ -194,7 +194,7 @@ def test_decode_fused_is_asked_for_runs_on_the_cpu_and_refuses_what_graphs_refus
         return args.decode
 
     assert resolved() == "fused" and resolved(device="cpu") == "fused"
-    assert resolved(decode="auto") == "graphs"  # auto stays graphs until a GPU measures fused
+    assert resolved(decode="auto") == "fused"  # CUDA's default since the fifth GPU lease
     said = {}
     for flags in (dict(compile="inductor"), dict(fsdp=True), dict(num_beams=4)):
         with pytest.raises(config.UserError) as stop:
@@ -294,6 +294,73 @@ def test_gpu_check_prints_fused_beside_graphs_and_a_fused_failure_apart(capsys):
     (line,) = [s for s in capsys.readouterr().out.splitlines() if s.lstrip().startswith("fused")]
     assert "5.00 ms/token" in line and "compiled in 28.8 s once per process" in line
     assert "capture 0.04 s per call" in line and "6 of 300 tokens equal" in line
+    # fused is CUDA's default: the run's first decode compiled the layer, not the check's call
+    gpu_check.print_decode(dict(report, decode=dict(timing, fused_compile_seconds=None)))
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.lstrip().startswith("fused")]
+    assert "compiled once per process, by the run's first decode; capture 0.04 s" in line
     del timing["fused_ms_per_token"]
     gpu_check.print_decode(dict(report, decode=dict(timing, fused_error="RuntimeError: no")))
     assert "  fused     FAILED (RuntimeError: no)" in capsys.readouterr().out.splitlines()
+
+
+def broken_compiler(gm, example_inputs):
+    """A torch.compile backend that fails as inductor does on a machine without a C compiler."""
+    broken_compiler.calls += 1
+    raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["cpu", "captured-as-on-cuda"])
+def test_a_fused_compile_that_fails_decodes_eagerly_with_one_warning(captured, monkeypatch, capsys):
+    # fused is CUDA's default, and inductor needs Triton and a C compiler there: a compile that
+    # fails must not end the run. Dynamo raises before the first layer runs, so the step is redone
+    # by the eager step from an unwritten cache: the tokens of --decode eager (graphs, captured),
+    # bit for bit, from the same random numbers; said once, and never compiled again.
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode, "FUSED_BACKEND", broken_compiler)
+    monkeypatch.setattr(decode.FusedStep, "failed", None)
+    monkeypatch.setattr(broken_compiler, "calls", 0, raising=False)
+    if captured:  # GraphStep over FusedStep, its graph replayed on the CPU
+        monkeypatch.setattr(decode, "uses_graphs", lambda settings, device: True)
+        monkeypatch.setattr(decode, "CudaGraph", Replay)
+    model = small_model("llama")
+    model.lm_head.register_forward_hook(lambda m, i, out: [out[..., demo.EOS].add_(1.5)] and None)
+    ids, mask = left_padded([5, 1, 8, 3])
+    outs = []
+    for fused in (False, True, True):
+        torch.manual_seed(3)
+        settings = sampling.Sampling(temperature=0.9, max_new_tokens=12, fused=fused)
+        outs.append(decode.plain_decode(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+        outs.append(torch.rand(1))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[4])
+    assert torch.equal(outs[1], outs[3]) and torch.equal(outs[1], outs[5])  # the RNG left alike
+    lengths = grpo.completion_mask(outs[0], [demo.EOS]).sum(1)
+    assert len(set(lengths.tolist())) >= 3  # rows ended apart: the fixed rows' padding kept
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(
+        "warning: the fused decode could not be compiled"
+    )
+    assert "Failed to find C compiler" in err and "decoding as --decode graphs does" in err
+    assert broken_compiler.calls == 1 and decode.FusedStep.failed.startswith(
+        "BackendCompilerFailed"
+    )
+    torch._dynamo.reset()
+
+
+def test_an_error_past_the_compile_is_raised_not_hidden(monkeypatch):
+    # Only dynamo's own errors raised before the first layer runs fall back: one at the second
+    # layer (the first has written its cache) ends the call, as would any error of the model's.
+    monkeypatch.setattr(decode.FusedStep, "failed", None)
+    calls = []
+
+    def fails_at_the_second_layer(layer, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch._dynamo.exc.InternalTorchDynamoError("a recompile at layer 1")
+        return decode._layer_step(layer, *args)
+
+    monkeypatch.setattr(decode, "fused_layer", lambda backend: fails_at_the_second_layer)
+    ids, mask = left_padded([5, 3])
+    settings = sampling.Sampling(max_new_tokens=4, fused=True)
+    with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError, match="a recompile at layer 1"):
+        decode.plain_decode(small_model("llama"), ids, mask, settings, 2, [-1], demo.PAD)
+    assert len(calls) == 2 and decode.FusedStep.failed is None
