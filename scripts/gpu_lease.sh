@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU lease's measurements, in one command of at most 7.5 minutes (docs/gpu.md: the fourth lease;
-# the fifth measures --decode fused beside graphs):
+# One GPU lease's measurements, in one command of at most 7.5 minutes (docs/gpu.md: the fourth and
+# fifth leases; since the fifth the run's own decode is fused, CUDA's default):
 #   bash scripts/gpu_lease.sh      # from the checkout root on the GPU machine; $OUT collects the logs
-# TRL_SECONDS=300 adds the rounds beside TRL's GRPOTrainer (about 150 s a round; with the rest, past
-# a 10-minute command: give SKIP_TESTS=1 or a lease of its own).
+# TRL_SECONDS=450 adds 3 rounds beside TRL's GRPOTrainer (about 140 s a round on the H200; with the
+# rest, past a 10-minute command: give it a command of its own, as the fifth lease did).
 # Carry gpu_kit/ (python -m scripts.gpu_check --prepare SMOLLM2_DIR) and .whl/ (transformers 5.23.0,
 # trl 1.16.0, datasets 5.2.0, dill, multiprocess as wheels): the machine has no network.
 set -o pipefail
