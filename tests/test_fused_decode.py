@@ -364,3 +364,82 @@ def test_an_error_past_the_compile_is_raised_not_hidden(monkeypatch):
     with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError, match="a recompile at layer 1"):
         decode.plain_decode(small_model("llama"), ids, mask, settings, 2, [-1], demo.PAD)
     assert len(calls) == 2 and decode.FusedStep.failed is None
+
+
+def test_the_fused_decode_of_a_lora_model_draws_the_eager_tokens(counted, monkeypatch):
+    # fused is CUDA's default, --lora-rank too may run it: the layers it compiles hold LoRA's
+    # adapters, traced as any other module (FusedStep runs the base model's layers). Captured as on
+    # CUDA, under bf16 autocast: the eager decode's tokens, bit for bit, with aot_eager.
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(decode, "uses_graphs", lambda s, device: s.graphs or s.fused)
+    monkeypatch.setattr(decode, "CudaGraph", Replay)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    model = peft.get_peft_model(small_model("llama"), lora).get_base_model().eval()
+    with torch.no_grad():  # B = 0 at init: the adapters would change nothing
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert decode.fused_layout(model)
+    ids, mask = left_padded([5, 1, 8, 3])
+    outs = []
+    for fused in (False, True):
+        torch.manual_seed(3)
+        settings = sampling.Sampling(temperature=0.9, max_new_tokens=12, fused=fused)
+        with sampling.autocast("cpu", torch.bfloat16):
+            outs.append(decode.plain_decode(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+    assert torch.equal(outs[0], outs[1]) and counted.frame_count == 1
+    torch.manual_seed(3)  # and the adapters did change the tokens
+    with sampling.autocast("cpu", torch.bfloat16):
+        plain = decode.plain_decode(
+            small_model("llama"), ids, mask, settings, 3, [demo.EOS], demo.PAD
+        )
+    assert not torch.equal(plain, outs[0])
+
+
+WORDS = ["<pad>", "<eos>", "<unk>", "q", "<tool>", "</tool>", "<result>", "</result>", "calc"]
+WORDS += ["12", "x", "y"]
+
+
+def scripted_around_the_layers(model, next_word):
+    """Make `model` write next_word[previous word] (a logit of 50 on it, 0 elsewhere; <eos> after
+    any other word) through hooks on the embedding and the lm-head, which FusedStep runs itself
+    (tests/helpers.py's scripted() hooks the model's forward, which a fused step never calls)."""
+    seen = {}
+    ids_of = {w: i for i, w in enumerate(WORDS)}
+
+    def remember(module, args):
+        seen["ids"] = args[0]
+
+    def write(module, args, out):
+        nxt = [ids_of[next_word.get(WORDS[i], "<eos>")] for i in seen["ids"][:, -1].tolist()]
+        logits = torch.zeros_like(out)
+        logits[torch.arange(len(nxt)), -1, torch.tensor(nxt)] = 50.0
+        return logits
+
+    model.model.embed_tokens.register_forward_pre_hook(remember)
+    model.lm_head.register_forward_hook(write)
+
+
+def test_tools_in_the_loop_force_the_same_tokens_through_the_fused_decode(counted, monkeypatch):
+    # --tool and --env on CUDA decode fused by default: a forced result token is data for the
+    # compiled step as for the eager one. The scripted exchange of tests/test_tools.py, captured
+    # as on CUDA: "sampled 3 tokens, forced 4, sampled 2", the same rows, masks and forced flags.
+    import tools
+
+    monkeypatch.setattr(decode, "uses_graphs", lambda s, device: s.graphs or s.fused)
+    monkeypatch.setattr(decode, "CudaGraph", Replay)
+    script = {"q": "<tool>", "<tool>": "calc", "calc": "</tool>", "</result>": "12", "12": "<eos>"}
+    model, tok = demo.tiny_llama(len(WORDS), 0).eval(), demo.word_tokenizer(WORDS)
+    scripted_around_the_layers(model, script)
+    runs = []
+    for fused in (False, True):
+        toolbox = tools.Tools({"calc": lambda arguments: "12 12"})
+        settings = sampling.Sampling(1.0, 0, 1.0, 12, fused=fused)
+        runs.append(sampling.sample_rollouts(model, tok, ["q"], settings, 2, tools=toolbox))
+    eager, fused = runs
+    words = "<tool> calc </tool> <result> 12 12 </result> 12 <eos>".split()
+    assert fused.input_ids[0, fused.prompt_length :].tolist() == [WORDS.index(w) for w in words]
+    assert torch.equal(fused.input_ids, eager.input_ids)
+    assert torch.equal(fused.completion_mask, eager.completion_mask)
+    assert fused.completion_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert torch.equal(fused.forced, eager.forced) and counted.frame_count == 1
