@@ -276,9 +276,9 @@ MAY_CHANGE_ON_RESUME = {
     "model",
     "data",
     "device",
-    # how the decode runs (CUDA graphs or eager), and the memory's choice: the same computation,
-    # bit for bit on the CPU; on CUDA other kernels may round otherwise (exact resume is the CPU's
-    # promise anyway, docs/reliability.md)
+    # how the decode runs (fused, CUDA graphs or eager), and the memory's choice: the same
+    # computation, bit for bit on the CPU; on CUDA other kernels may round otherwise (exact resume
+    # is the CPU's promise anyway, docs/reliability.md)
     "decode",
     "gradient_checkpointing",
 }
