@@ -512,6 +512,10 @@ def loop_flags(a, output_dir):
         *("--max-grad-norm", 1.0, "--dtype", a.dtype, "--device", DEVICE),
         "--no-gradient-checkpointing",  # as TRL's side runs (its default): the same work
         *(["--compile", a.compile] if a.compile else []),
+        # CUDA graphs, not the default fused decode: DecodeLengths forces the lengths through a hook
+        # on the model's forward, which FusedStep calls for the prefill only (its layers and
+        # lm-head run apart); fused beside TRL needs that hook moved first
+        *(["--decode", "graphs"] if DEVICE == "cuda" and not a.compile else []),
         *("--eval-every", -1, "--sample-every", 0, "--save-every", 0, "--output-dir", output_dir),
     ]
 
@@ -974,7 +978,7 @@ def bench_rollout(a):
     ]
     settings = sampling.Sampling(
         a.temperature, a.top_k, a.top_p, a.max_new_tokens, graphs=DEVICE == "cuda"
-    )  # as a run decodes: CUDA graphs on a GPU
+    )  # CUDA graphs on a GPU, as bench's step decodes (loop_flags: not fused, CUDA's default)
     # an EOS after max_new tokens: never
     n = a.warmup + a.steps
     lengths = torch.full((n, a.batch_size * a.num_generations), a.max_new_tokens + 1)

@@ -409,7 +409,7 @@ def decode_check(model, tokenizer, task, args, opts, meter):
     )
     result["eager_ms_per_token"] = 1000 * seconds / max_new
     greedy = dataclasses.replace(settings, temperature=0.0)
-    if ids.is_cuda:  # --decode graphs, the default on CUDA: captured at every call
+    if ids.is_cuda:  # --decode graphs: captured at every call
         first, out, _ = measure(lambda: generate("graphs"), meter)
         seconds, again, result["graphs_peak_bytes"] = measure(lambda: generate("graphs"), meter)
         result["graphs_first_call_seconds"] = first
@@ -447,6 +447,8 @@ def fused_check(model, ids, mask, settings, G, eos, tokenizer, amp, opts, meter,
     out = {"fused_backend": opts.compile_backend}
     saved, decode.FUSED_BACKEND = decode.FUSED_BACKEND, opts.compile_backend
     try:
+        if decode.FusedStep.failed is not None:  # the run's decode fell back: nothing fused to time
+            raise RuntimeError(f"the fused decode fell back to graphs: {decode.FusedStep.failed}")
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         first = measure(lambda: generate("fused"), meter)[0]  # compiles the shared layer
         compiled_here = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs

@@ -510,8 +510,10 @@ def _layer_step(layer, hidden, mask, embeddings, cache, position, key):
 def fused_layer(backend):
     """_layer_step compiled (the process's one, per backend): no CUDA graphs of its own (GraphStep
     captures the whole step), the rows and the cache length dynamic (FusedStep marks them), so one
-    graph serves every layer, every call and every prompt length."""
-    return torch.compile(_layer_step, backend=backend, dynamic=None)
+    graph serves every layer, every call and every prompt length. fullgraph: a graph break raises
+    while tracing, before any of the layer runs (without it dynamo would run the part before the
+    break, the cache written, then compile the rest: a failure there could not be redone)."""
+    return torch.compile(_layer_step, backend=backend, dynamic=None, fullgraph=True)
 
 
 class FusedStep:

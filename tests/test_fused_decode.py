@@ -303,6 +303,14 @@ def test_gpu_check_prints_fused_beside_graphs_and_a_fused_failure_apart(capsys):
     assert "  fused     FAILED (RuntimeError: no)" in capsys.readouterr().out.splitlines()
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo reset before the test and after it, whatever the test did."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def broken_compiler(gm, example_inputs):
     """A torch.compile backend that fails as inductor does on a machine without a C compiler."""
     broken_compiler.calls += 1
@@ -310,12 +318,13 @@ def broken_compiler(gm, example_inputs):
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["cpu", "captured-as-on-cuda"])
-def test_a_fused_compile_that_fails_decodes_eagerly_with_one_warning(captured, monkeypatch, capsys):
+def test_a_fused_compile_that_fails_decodes_eagerly_with_one_warning(
+    captured, monkeypatch, capsys, fresh_dynamo
+):
     # fused is CUDA's default, and inductor needs Triton and a C compiler there: a compile that
     # fails must not end the run. Dynamo raises before the first layer runs, so the step is redone
     # by the eager step from an unwritten cache: the tokens of --decode eager (graphs, captured),
     # bit for bit, from the same random numbers; said once, and never compiled again.
-    torch._dynamo.reset()
     monkeypatch.setattr(decode, "FUSED_BACKEND", broken_compiler)
     monkeypatch.setattr(decode.FusedStep, "failed", None)
     monkeypatch.setattr(broken_compiler, "calls", 0, raising=False)
@@ -343,7 +352,43 @@ def test_a_fused_compile_that_fails_decodes_eagerly_with_one_warning(captured, m
     assert broken_compiler.calls == 1 and decode.FusedStep.failed.startswith(
         "BackendCompilerFailed"
     )
+
+
+def succeeds_once_then_fails(gm, example_inputs):
+    """A backend whose second compile fails: the part of a broken graph after the break."""
+    succeeds_once_then_fails.calls += 1
+    if succeeds_once_then_fails.calls > 1:
+        raise RuntimeError("Failed to find C compiler.")
+    return gm.forward
+
+
+def test_a_graph_break_in_a_layer_falls_back_before_anything_of_it_runs(monkeypatch, capsys):
+    # A layer dynamo cannot trace whole (here a hook that breaks the graph before the MLP) is
+    # refused while tracing (fullgraph), before any of it runs: the fall-back redoes the step from
+    # an unwritten cache, the eager decode's tokens. Without fullgraph dynamo would run the
+    # attention's part (the cache written, its position advanced), then compile the rest: were
+    # that compile to fail, the eager redo would write the layer's cache twice.
     torch._dynamo.reset()
+    monkeypatch.setattr(decode, "FUSED_BACKEND", succeeds_once_then_fails)
+    monkeypatch.setattr(decode.FusedStep, "failed", None)
+    monkeypatch.setattr(succeeds_once_then_fails, "calls", 0, raising=False)
+    model = small_model("llama")
+    for layer in model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda m, a: torch._dynamo.graph_break())
+    model.lm_head.register_forward_hook(lambda m, i, out: [out[..., demo.EOS].add_(1.5)] and None)
+    ids, mask = left_padded([5, 1, 8, 3])
+    outs = []
+    try:
+        for fused in (False, True):
+            torch.manual_seed(3)
+            settings = sampling.Sampling(temperature=0.9, max_new_tokens=12, fused=fused)
+            outs.append(decode.plain_decode(model, ids, mask, settings, 3, [demo.EOS], demo.PAD))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(outs[0], outs[1])
+    assert succeeds_once_then_fails.calls == 0  # refused while tracing: nothing compiled, or run
+    assert decode.FusedStep.failed.startswith("Unsupported")
+    assert "warning: the fused decode could not be compiled (Unsupported" in capsys.readouterr().err
 
 
 def test_an_error_past_the_compile_is_raised_not_hidden(monkeypatch):
@@ -443,3 +488,21 @@ def test_tools_in_the_loop_force_the_same_tokens_through_the_fused_decode(counte
     assert torch.equal(fused.completion_mask, eager.completion_mask)
     assert fused.completion_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1]
     assert torch.equal(fused.forced, eager.forced) and counted.frame_count == 1
+
+
+def test_gpu_check_reports_a_fused_decode_that_fell_back_as_a_failure(monkeypatch):
+    # The run decodes fused by default: where its compile failed, the process decodes as graphs,
+    # and the check must not time that as fused (it would print graphs' numbers on fused's line).
+    from scripts import gpu_check
+
+    monkeypatch.setattr(decode.FusedStep, "failed", "BackendCompilerFailed: no C compiler")
+    opts = type("Opts", (), {"compile_backend": "inductor"})()
+
+    def generate(mode):
+        raise AssertionError("nothing may be timed")
+
+    out = gpu_check.fused_check(None, None, None, None, 8, [1], None, None, opts, None, generate)
+    assert out["fused_error"] == (
+        "RuntimeError: the fused decode fell back to graphs: BackendCompilerFailed: no C compiler"
+    )
+    assert decode.FUSED_BACKEND == "inductor"  # given back
