@@ -112,6 +112,9 @@ def distributed_gradient_worker(rank, world, init_file, out_dir):
         one_update_gradients(*mine, ddp=lambda m: distributed.wrap(m, sampling.token_logprobs)),
         f"{out_dir}/process-rank{rank}.pt",
     )
+    # both ranks done before either tears gloo down (CI saw rank 1 abort once at exit: "terminate
+    # called without an active exception", a C++ thread of the group still running)
+    dist.barrier()
     dist.destroy_process_group()
 
 
